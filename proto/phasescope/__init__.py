@@ -1,0 +1,1 @@
+"""phasescope wire contract (generated code lives in phasescope.v1)."""

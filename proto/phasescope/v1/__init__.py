@@ -1,0 +1,1 @@
+"""Generated from inference.proto by `make proto`; do not edit."""

