@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import itertools
 import os
 import types
 import typing
@@ -50,7 +51,7 @@ class Settings:
     kv_cache_gib: float | None = None
     """Memory for the KV cache in GiB; unset: vLLM's default for the device."""
     dtype: str = "auto"
-    """Weight and activation dtype (auto, bfloat16, float16, float32); auto: float32 on CPU, the checkpoint's dtype on GPU."""
+    """Weight and activation dtype (auto, bfloat16, float16, float32); auto: float32 on CPU, else the checkpoint's."""
     tensor_parallel_size: int = 1
     """vLLM tensor parallelism: devices one replica's layers are split across."""
     pipeline_parallel_size: int = 1
@@ -114,7 +115,7 @@ def _field_docs() -> dict[str, str]:
     tree = ast.parse(inspect.getsource(Settings))
     docs: dict[str, str] = {}
     body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition parsed above
-    for node, following in zip(body, body[1:], strict=False):
+    for node, following in itertools.pairwise(body):
         if (
             isinstance(node, ast.AnnAssign)
             and isinstance(node.target, ast.Name)
@@ -192,9 +193,7 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             )
 
 
-def settings_from(
-    namespace: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None
-) -> Settings:
+def settings_from(namespace: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> Settings:
     """Defaults, overridden by `PHASESCOPE_*` variables, overridden by flags; then validated."""
     values = _from_env(os.environ if environ is None else environ)
     if namespace is not None:
@@ -212,4 +211,3 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
 def env_cache_dir() -> str | None:
     """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
     return os.environ.get("PHASESCOPE_CACHE_DIR")
-

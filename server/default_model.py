@@ -107,7 +107,8 @@ def _convert(source: Path, destination: Path) -> None:
     # build a plain model from the same config and give it the weights.
     config.torch_dtype = torch.bfloat16
     logger.info("[3/%d] building a plain checkpoint", steps)
-    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    # transformers leaves from_config untyped.
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)  # type: ignore[no-untyped-call]
     missing, unexpected = plain.load_state_dict(quantised.state_dict(), strict=False)
     # Tied embeddings make lm_head.weight a view of embed_tokens; nothing else may differ.
     real_missing = [name for name in missing if name != "lm_head.weight"]

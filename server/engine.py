@@ -6,7 +6,7 @@ this seam keeps its unstable interfaces in one module.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -64,7 +64,9 @@ class Engine(Protocol):
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         """Token ids the model sees for this input (chat rendered with the model's template)."""
 
-    def generate(self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec) -> AsyncIterator[EngineStep]:
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
         """Stream the request's steps; closing the iterator aborts the engine request."""
 
     def unfinished_requests(self) -> int:

@@ -11,6 +11,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+from google.protobuf.message import Message
+
 from phasescope.v1 import inference_pb2 as pb
 from server.errors import InvalidRequestError
 
@@ -68,7 +70,8 @@ class SamplingSpec:
 class UndecodableRequest:
     """Stands in for a request whose bytes could not be read as the declared message."""
 
-    def __init__(self, reason: str) -> None:
+    def __init__(self, field: str, reason: str) -> None:
+        self.field = field
         self.reason = reason
 
 
@@ -114,27 +117,27 @@ def _top_level_fields(data: bytes) -> set[int] | None:
     return seen
 
 
-def _decoder(
-    message_type: type[pb.GenerateRequest] | type[pb.TokenizeRequest], input_fields: frozenset[int]
-) -> object:
-    def decode(data: bytes) -> pb.GenerateRequest | pb.TokenizeRequest | UndecodableRequest:
-        message = message_type()
-        try:
-            message.ParseFromString(data)
-        except Exception as exc:  # protobuf raises DecodeError and, for bad UTF-8, others
-            return UndecodableRequest(f"request is not a valid {message_type.DESCRIPTOR.full_name}: {exc}")
-        fields = _top_level_fields(data) or set()
-        # A oneof keeps only the last member sent; a client that sent two meant
-        # something the server cannot honour, so refuse instead of guessing.
-        if len(fields & input_fields) > 1:
-            return UndecodableRequest("input: more than one of the input kinds was sent; send exactly one")
-        return message
-
-    return decode
+def _check_decoded(message: Message, data: bytes, input_fields: frozenset[int]) -> UndecodableRequest | None:
+    try:
+        message.ParseFromString(data)
+    except Exception as exc:  # protobuf raises DecodeError and, for bad UTF-8, others
+        return UndecodableRequest("request", f"not a valid {message.DESCRIPTOR.full_name}: {exc}")
+    fields = _top_level_fields(data) or set()
+    # A oneof keeps only the last member sent; a client that sent two meant
+    # something the server cannot honour, so refuse instead of guessing.
+    if len(fields & input_fields) > 1:
+        return UndecodableRequest("input", "more than one of the input kinds was sent; send exactly one")
+    return None
 
 
-decode_generate_request = _decoder(pb.GenerateRequest, _GENERATE_INPUT_FIELDS)
-decode_tokenize_request = _decoder(pb.TokenizeRequest, _TOKENIZE_INPUT_FIELDS)
+def decode_generate_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
+    message = pb.GenerateRequest()
+    return _check_decoded(message, data, _GENERATE_INPUT_FIELDS) or message
+
+
+def decode_tokenize_request(data: bytes) -> pb.TokenizeRequest | UndecodableRequest:
+    message = pb.TokenizeRequest()
+    return _check_decoded(message, data, _TOKENIZE_INPUT_FIELDS) or message
 
 
 def parse_chat(chat: pb.Chat, field: str) -> tuple[ChatTurn, ...]:

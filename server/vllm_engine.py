@@ -10,7 +10,7 @@ import logging
 import os
 import platform
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
@@ -68,8 +68,8 @@ class VllmEngine:
         engine_args = AsyncEngineArgs(
             model=model_path,
             served_model_name=served_model_name,
-            dtype=dtype,
-            max_model_len=settings.max_model_len,
+            dtype=dtype,  # type: ignore[arg-type]  # Settings.validate() admits only vLLM's dtype names
+            max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_concurrent_requests,
             tensor_parallel_size=settings.tensor_parallel_size,
@@ -174,7 +174,7 @@ class VllmEngine:
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
-    ) -> AsyncIterator[EngineStep]:
+    ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 

@@ -54,9 +54,7 @@ def _interval(start: float, end: float) -> float | None:
     return max(0.0, end - start)
 
 
-def derive_phase_timings(
-    stamps: EngineTimestamps, completion_tokens: int, wall_offset_seconds: float
-) -> PhaseTimings:
+def derive_phase_timings(stamps: EngineTimestamps, completion_tokens: int, wall_offset_seconds: float) -> PhaseTimings:
     """Split a request into queue, prefill and decode (vLLM's definitions).
 
     `wall_offset_seconds` is `monotonic_to_wall_offset_seconds()` of the front end.

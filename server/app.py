@@ -1,0 +1,177 @@
+"""Builds and runs the server: gRPC (inference, health, reflection), /metrics, the engine, and draining.
+
+Start-up order matters to operators: gRPC and /metrics listen at once with
+health NOT_SERVING, the model is prepared and the engine started off the
+event loop, a warm-up request runs, and only then health says SERVING.
+SIGTERM or SIGINT drains: health NOT_SERVING, new requests refused with
+UNAVAILABLE, in-flight ones given `--shutdown-grace-seconds`, then the engine
+stops. A dead engine turns health NOT_SERVING and the process exits 1.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import time
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+
+from server.config import Settings
+from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from server.engine import Engine
+from server.interceptors import ExceptionToStatusInterceptor
+from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from telemetry.observer import ObserverGroup
+from telemetry.prometheus import PrometheusRequestObserver
+
+logger = logging.getLogger(__name__)
+
+ENGINE_WATCH_INTERVAL_SECONDS = 1.0
+# gRPC allows 4 MiB requests by default; a context window of text fits easily.
+MAX_MESSAGE_BYTES = 16 * 2**20
+
+
+def resolve_model(settings: Settings) -> tuple[str, str]:
+    """(path or hub id to load, name to serve it as); prepares the embedded default when --model is empty."""
+    if settings.model:
+        path = settings.model
+        name = settings.served_model_name or Path(path.rstrip("/")).name
+        return path, name
+    return str(ensure_default_model()), settings.served_model_name or DEFAULT_MODEL_NAME
+
+
+class Server:
+    """One phasescope process: its gRPC server, metrics endpoint, engine and lifecycle."""
+
+    def __init__(self, settings: Settings, registry: CollectorRegistry = REGISTRY) -> None:
+        self.settings = settings
+        self.registry = registry
+        self.exit_code = 0
+        self._stop = asyncio.Event()
+        self._engine: Engine | None = None
+        self.health = health.aio.HealthServicer()
+        self._grpc: grpc.aio.Server | None = None
+        self.grpc_port = 0
+
+    def request_stop(self) -> None:
+        if self._stop.is_set():
+            return
+        logger.info("stop requested: draining")
+        self._stop.set()
+
+    async def _set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+    async def run(self) -> int:
+        settings = self.settings
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self.request_stop)
+
+        model_path, model_name = await asyncio.to_thread(resolve_model, settings)
+        observer = ObserverGroup([PrometheusRequestObserver(self.registry)])
+        admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
+        servicer = InferenceServicer(observer, admission, model_name)
+
+        server = grpc.aio.server(
+            interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))],
+            options=[
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+            ],
+        )
+        self._grpc = server
+        server.add_generic_rpc_handlers((inference_handler(servicer),))
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
+            server,
+        )
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        self.grpc_port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        await server.start()
+        metrics_server, metrics_thread = start_http_server(
+            settings.metrics_port, addr=settings.effective_metrics_host, registry=self.registry
+        )
+        logger.info(
+            "gRPC listening on %s:%d (health NOT_SERVING until the engine is warm); metrics on http://%s:%d/metrics",
+            settings.host,
+            self.grpc_port,
+            settings.effective_metrics_host,
+            metrics_server.server_port,
+        )
+        try:
+            engine = await self._start_engine(model_path, model_name)
+            if engine is None:
+                return self.exit_code
+            servicer.attach_engine(engine)
+            await self._set_health(health_pb2.HealthCheckResponse.SERVING)
+            logger.info("ready: serving %s (health SERVING)", model_name)
+            watcher = asyncio.create_task(self._watch_engine(engine))
+            await self._stop.wait()
+            watcher.cancel()
+            await self._drain(servicer)
+        finally:
+            await self.health.enter_graceful_shutdown()
+            await server.stop(grace=1.0)
+            if self._engine is not None:
+                logger.info("stopping the engine")
+                await asyncio.to_thread(self._engine.shutdown)
+            metrics_server.shutdown()
+            metrics_thread.join(timeout=5)
+            logger.info("stopped")
+        return self.exit_code
+
+    async def _start_engine(self, model_path: str, model_name: str) -> Engine | None:
+        """Start the engine off the event loop, so health answers while weights load."""
+        from server.vllm_engine import VllmEngine
+
+        started = time.monotonic()
+        logger.info("starting the engine for %s (%s)", model_name, model_path)
+        start = asyncio.create_task(asyncio.to_thread(VllmEngine.start, self.settings, model_path, model_name))
+        stop = asyncio.create_task(self._stop.wait())
+        await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
+        stop.cancel()
+        # A start-up thread cannot be interrupted: wait for it even when asked to stop,
+        # so its engine processes are shut down rather than orphaned.
+        engine = await start
+        self._engine = engine
+        if self._stop.is_set():
+            return None
+        await engine.warm_up()
+        logger.info("engine started in %.1f s", time.monotonic() - started)
+        return engine
+
+    async def _watch_engine(self, engine: Engine) -> None:
+        while True:
+            await asyncio.sleep(ENGINE_WATCH_INTERVAL_SECONDS)
+            if engine.is_dead:
+                logger.error("the engine died; health is NOT_SERVING and the server exits")
+                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+                self.exit_code = 1
+                self.request_stop()
+                return
+
+    async def _drain(self, servicer: InferenceServicer) -> None:
+        servicer.start_draining()
+        await self.health.enter_graceful_shutdown()
+        grace = self.settings.shutdown_grace_seconds
+        in_flight = servicer.admission.in_flight
+        if in_flight:
+            logger.info("draining %d in-flight requests (up to %.0f s)", in_flight, grace)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(servicer.admission.wait_idle(), timeout=grace)
+        if servicer.admission.in_flight:
+            logger.warning("grace period over: cancelling %d requests", servicer.admission.in_flight)
+
+
+def serve(settings: Settings) -> int:
+    """Run the server until it is stopped; returns the process exit code."""
+    return asyncio.run(Server(settings).run())

@@ -1,0 +1,183 @@
+"""`phasescope`: serve, generate, tokenize, info, prepare-model."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from server.config import SettingsError, add_settings_arguments, settings_from
+
+logger = logging.getLogger("phasescope")
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+
+
+def _configure_logging(level: str) -> None:
+    logging.basicConfig(
+        level=level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    try:
+        settings = settings_from(args)
+    except SettingsError as exc:
+        print(f"phasescope serve: {exc}", file=sys.stderr)
+        return 2
+    _configure_logging(settings.log_level)
+    # gRPC's C core prints INFO lines at shutdown unless told otherwise.
+    os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
+    from server.vllm_engine import configure_engine_logging
+
+    configure_engine_logging(settings.engine_log_level)
+    from server.app import serve
+
+    return serve(settings)
+
+
+def _cmd_prepare_model(args: argparse.Namespace) -> int:
+    _configure_logging("info")
+    from server.default_model import DefaultModelError, ensure_default_model
+
+    try:
+        print(ensure_default_model())
+    except DefaultModelError as exc:
+        print(f"phasescope prepare-model: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _format_timings(response_timings: object) -> str:
+    from phasescope.v1 import inference_pb2 as pb
+
+    assert isinstance(response_timings, pb.Timings)
+    t = response_timings
+    return (
+        f"queue {t.queue_seconds * 1e3:.1f} ms | prefill {t.prefill_seconds * 1e3:.1f} ms | "
+        f"decode {t.decode_seconds * 1e3:.1f} ms | TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms | "
+        f"e2e {t.e2e_seconds * 1e3:.1f} ms | TPOT {t.mean_inter_token_seconds * 1e3:.1f} ms | "
+        f"decode {t.decode_tokens_per_second:.1f} tok/s"
+    )
+
+
+def _cmd_generate(args: argparse.Namespace) -> int:
+    import grpc
+
+    from phasescope.v1 import inference_pb2 as pb
+    from server.client import PhasescopeClient, build_request
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    if args.chat:
+        request = build_request(chat=[("user", args.text)], **sampling)
+    else:
+        request = build_request(prompt=args.text, **sampling)
+    try:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+            last: pb.GenerateStreamResponse | None = None
+            for chunk in client.generate_stream(request):
+                print(chunk.text, end="", flush=True)
+                last = chunk
+    except grpc.RpcError as exc:
+        print(f"\nphasescope generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print()
+    if last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} output tokens, finished: {reason}]",
+            file=sys.stderr,
+        )
+        print(f"[{_format_timings(last.timings)}]", file=sys.stderr)
+    return 0
+
+
+def _cmd_tokenize(args: argparse.Namespace) -> int:
+    import grpc
+
+    from server.client import PhasescopeClient
+
+    try:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+            ids = client.tokenize(chat=[("user", args.text)]) if args.chat else client.tokenize(text=args.text)
+    except grpc.RpcError as exc:
+        print(f"phasescope tokenize: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print(f"{len(ids)} tokens: {ids}")
+    return 0
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    import grpc
+    from google.protobuf import text_format
+
+    from server.client import PhasescopeClient
+
+    try:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+            print(f"health: {client.health()}")
+            print(text_format.MessageToString(client.model_info()), end="")
+    except grpc.RpcError as exc:
+        print(f"phasescope info: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="phasescope", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    serve = commands.add_parser(
+        "serve",
+        help="run the gRPC inference server",
+        description="Run the gRPC inference server. Every flag can also be set as PHASESCOPE_<FLAG>.",
+    )
+    add_settings_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+
+    prepare = commands.add_parser("prepare-model", help="convert and cache the embedded default model, then exit")
+    prepare.set_defaults(func=_cmd_prepare_model)
+
+    def client_command(name: str, help_text: str) -> argparse.ArgumentParser:
+        command = commands.add_parser(name, help=help_text)
+        command.add_argument("--address", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
+        command.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+        return command
+
+    generate = client_command("generate", "stream an answer to the terminal and print its phase timings")
+    generate.add_argument("text", help="the prompt (or, with --chat, the user's message)")
+    generate.add_argument("--chat", action="store_true", help="send TEXT as a user message through the chat template")
+    generate.add_argument("--max-tokens", type=int, default=128)
+    generate.add_argument("--temperature", type=float)
+    generate.add_argument("--top-p", type=float)
+    generate.add_argument("--top-k", type=int)
+    generate.add_argument("--seed", type=int)
+    generate.add_argument("--ignore-eos", action="store_true")
+    generate.set_defaults(func=_cmd_generate)
+
+    tokenize = client_command("tokenize", "print the token ids the model sees")
+    tokenize.add_argument("text")
+    tokenize.add_argument("--chat", action="store_true")
+    tokenize.set_defaults(func=_cmd_tokenize)
+
+    info = client_command("info", "print the server's health and model information")
+    info.set_defaults(func=_cmd_info)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

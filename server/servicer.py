@@ -1,0 +1,320 @@
+"""The Inference service: validate, admit, run on the engine, stream, report one phase record.
+
+The servicer never touches Prometheus or tracing: it hands each finished
+request's `PhaseRecord` to a `RequestObserver`. Exceptions leave through
+`server.interceptors.ExceptionToStatusInterceptor`, which owns the status table.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from typing import Any
+
+import grpc
+
+from phasescope.v1 import inference_pb2 as pb
+from server.engine import Engine, EngineStep
+from server.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotReadyError,
+    OverloadedError,
+    PhasescopeError,
+    rejection_reason,
+    status_for,
+)
+from server.validation import (
+    UndecodableRequest,
+    build_sampling,
+    check_prompt_length,
+    decode_generate_request,
+    decode_tokenize_request,
+    parse_generate_input,
+    parse_tokenize_input,
+)
+from telemetry.observer import RequestObserver
+from telemetry.phases import (
+    EngineTimestamps,
+    PhaseRecord,
+    PhaseTimings,
+    derive_phase_timings,
+    monotonic_to_wall_offset_seconds,
+)
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Inference"].full_name
+
+_FINISH_REASONS = {
+    "stop": pb.FINISH_REASON_STOP,
+    "length": pb.FINISH_REASON_LENGTH,
+    "abort": pb.FINISH_REASON_ABORT,
+}
+
+ServicerContext = grpc.aio.ServicerContext[Any, Any]
+
+
+class Admission:
+    """Counts requests in flight and refuses those beyond running + queued capacity."""
+
+    def __init__(self, max_running: int, max_queued: int) -> None:
+        self.capacity = max_running + max_queued
+        self.max_running = max_running
+        self.max_queued = max_queued
+        self.in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+
+    def acquire(self) -> None:
+        if self.in_flight >= self.capacity:
+            raise OverloadedError(
+                f"server at capacity: {self.in_flight} requests in flight "
+                f"(--max-concurrent-requests {self.max_running} running + "
+                f"--max-queued-requests {self.max_queued} waiting); retry later"
+            )
+        self.in_flight += 1
+        self._idle.clear()
+
+    def release(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0:
+            self._idle.set()
+
+    async def wait_idle(self) -> None:
+        await self._idle.wait()
+
+
+def _timings_message(timings: PhaseTimings) -> pb.Timings:
+    return pb.Timings(
+        queue_seconds=timings.queue_seconds or 0.0,
+        prefill_seconds=timings.prefill_seconds or 0.0,
+        decode_seconds=timings.decode_seconds or 0.0,
+        time_to_first_token_seconds=timings.time_to_first_token_seconds or 0.0,
+        e2e_seconds=timings.e2e_seconds or 0.0,
+        mean_inter_token_seconds=timings.mean_inter_token_seconds or 0.0,
+        decode_tokens_per_second=timings.decode_tokens_per_second or 0.0,
+    )
+
+
+class _RequestTrace:
+    """What the servicer learns about one request while it streams (no text kept)."""
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.completion_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.stamps: EngineTimestamps | None = None
+        self.inter_token_seconds: list[float] = []
+        self._last_token_ts = 0.0
+
+    def add(self, step: EngineStep) -> None:
+        self.completion_tokens = max(self.completion_tokens, step.completion_tokens, len(step.token_ids))
+        self.cached_prompt_tokens = step.cached_prompt_tokens
+        if step.finish_reason is not None:
+            self.finish_reason = step.finish_reason
+        stamps = step.stamps
+        if stamps is None:
+            return
+        self.stamps = stamps
+        new_tokens = len(step.token_ids)
+        if new_tokens and stamps.last_token_ts > 0:
+            if self._last_token_ts > 0:
+                # Several tokens can arrive in one chunk (a step that emitted more than
+                # one, or chunks coalesced while the client read slowly): the gap is
+                # shared evenly between them, so the sum still equals decode time.
+                gap = max(0.0, stamps.last_token_ts - self._last_token_ts) / new_tokens
+                self.inter_token_seconds.extend([gap] * new_tokens)
+            self._last_token_ts = stamps.last_token_ts
+
+    def timings(self, wall_offset_seconds: float) -> PhaseTimings:
+        if self.stamps is None:
+            return PhaseTimings(None, None, None, None, None, None, None)
+        return derive_phase_timings(self.stamps, self.completion_tokens, wall_offset_seconds)
+
+
+class InferenceServicer:
+    """Implements phasescope.v1.Inference over an `Engine`."""
+
+    def __init__(self, observer: RequestObserver, admission: Admission, model_name: str) -> None:
+        self._observer = observer
+        self._admission = admission
+        self._model_name = model_name
+        self._engine: Engine | None = None
+        self._draining = False
+        # Engine timestamps are on the system-wide monotonic clock; one offset
+        # taken here puts them on the wall clock (telemetry.phases).
+        self._wall_offset_seconds = monotonic_to_wall_offset_seconds()
+
+    def attach_engine(self, engine: Engine) -> None:
+        self._engine = engine
+
+    def start_draining(self) -> None:
+        self._draining = True
+
+    @property
+    def admission(self) -> Admission:
+        return self._admission
+
+    def _ready_engine(self) -> Engine:
+        if self._draining:
+            raise NotReadyError("the server is shutting down and takes no new requests")
+        engine = self._engine
+        if engine is None:
+            raise NotReadyError("the engine is still starting; wait for the health service to say SERVING")
+        if engine.is_dead:
+            raise EngineUnavailableError("the engine is dead; the server must be restarted")
+        return engine
+
+    def _reject(self, exc: BaseException) -> None:
+        reason = rejection_reason(exc)
+        if reason is not None:
+            self._observer.request_rejected(self._model_name, reason)
+
+    async def _run(
+        self, request: pb.GenerateRequest | UndecodableRequest
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+        """The one request path behind Generate and GenerateStream."""
+        try:
+            engine = self._ready_engine()
+            if isinstance(request, UndecodableRequest):
+                raise InvalidRequestError(request.field, request.reason)
+            parsed = parse_generate_input(request, engine.limits)
+            prompt_token_ids = engine.tokenize(parsed)
+            check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
+            sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
+            self._admission.acquire()
+        except PhasescopeError as exc:
+            self._reject(exc)
+            raise
+
+        client_request_id = request.request_id
+        # The engine's id is always ours: client ids may collide.
+        engine_request_id = uuid.uuid4().hex
+        trace = _RequestTrace(len(prompt_token_ids))
+        code = grpc.StatusCode.OK
+        self._observer.request_started(self._model_name)
+        try:
+            async with aclosing(engine.generate(engine_request_id, prompt_token_ids, sampling)) as steps:
+                async for step in steps:
+                    trace.add(step)
+                    chunk = pb.GenerateStreamResponse(
+                        request_id=client_request_id, text=step.text, token_ids=step.token_ids
+                    )
+                    if step.finished:
+                        chunk.finish_reason = _FINISH_REASONS.get(
+                            step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED
+                        )
+                        chunk.usage.prompt_tokens = trace.prompt_tokens
+                        chunk.usage.completion_tokens = trace.completion_tokens
+                        chunk.timings.CopyFrom(_timings_message(trace.timings(self._wall_offset_seconds)))
+                    yield chunk
+        except BaseException as exc:
+            code = status_for(exc)
+            raise
+        finally:
+            self._admission.release()
+            self._observer.request_finished(
+                PhaseRecord(
+                    model=self._model_name,
+                    code=code.name,
+                    finish_reason=trace.finish_reason or ("abort" if code is grpc.StatusCode.CANCELLED else "error"),
+                    prompt_tokens=trace.prompt_tokens,
+                    cached_prompt_tokens=trace.cached_prompt_tokens,
+                    completion_tokens=trace.completion_tokens,
+                    timings=trace.timings(self._wall_offset_seconds),
+                    inter_token_seconds=tuple(trace.inter_token_seconds),
+                )
+            )
+
+    async def GenerateStream(
+        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
+    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
+        async with aclosing(self._run(request)) as chunks:
+            async for chunk in chunks:
+                yield chunk
+
+    async def Generate(
+        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
+    ) -> pb.GenerateResponse:
+        response = pb.GenerateResponse()
+        texts: list[str] = []
+        async with aclosing(self._run(request)) as chunks:
+            async for chunk in chunks:
+                texts.append(chunk.text)
+                response.token_ids.extend(chunk.token_ids)
+                if chunk.HasField("timings"):
+                    response.request_id = chunk.request_id
+                    response.finish_reason = chunk.finish_reason
+                    response.usage.CopyFrom(chunk.usage)
+                    response.timings.CopyFrom(chunk.timings)
+        response.text = "".join(texts)
+        return response
+
+    async def Tokenize(
+        self, request: pb.TokenizeRequest | UndecodableRequest, context: ServicerContext
+    ) -> pb.TokenizeResponse:
+        engine = self._ready_engine()
+        if isinstance(request, UndecodableRequest):
+            raise InvalidRequestError(request.field, request.reason)
+        token_ids = engine.tokenize(parse_tokenize_input(request))
+        return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:
+        engine = self._ready_engine()
+        d = engine.description
+        return pb.ModelInfo(
+            model_name=d.model_name,
+            model_path=d.model_path,
+            max_context_length=d.max_context_length,
+            dtype=d.dtype,
+            parameter_count=d.parameter_count,
+            weight_bytes=d.weight_bytes,
+            kv_cache_bytes_per_token=d.kv_cache_bytes_per_token,
+            vocab_size=d.vocab_size,
+            engine=d.engine,
+            engine_version=d.engine_version,
+            device=d.device,
+            data_parallel_size=d.data_parallel_size,
+            tensor_parallel_size=d.tensor_parallel_size,
+            pipeline_parallel_size=d.pipeline_parallel_size,
+        )
+
+
+def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers, with decoders that turn unreadable requests into INVALID_ARGUMENT.
+
+    The generated `add_InferenceServicer_to_server` would decode with
+    `FromString`, whose failures gRPC reports as INTERNAL, and could not see
+    a request that sent two members of the `input` oneof.
+    """
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Generate": grpc.unary_unary_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=decode_generate_request,
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "GenerateStream": grpc.unary_stream_rpc_method_handler(
+            servicer.GenerateStream,
+            request_deserializer=decode_generate_request,
+            response_serializer=pb.GenerateStreamResponse.SerializeToString,
+        ),
+        "Tokenize": grpc.unary_unary_rpc_method_handler(
+            servicer.Tokenize,
+            request_deserializer=decode_tokenize_request,
+            response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "GetModelInfo": grpc.unary_unary_rpc_method_handler(
+            servicer.GetModelInfo,
+            request_deserializer=pb.GetModelInfoRequest.FromString,
+            response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+    }
+    declared = {method.name for method in pb.DESCRIPTOR.services_by_name["Inference"].methods}
+    if declared != set(handlers):
+        raise RuntimeError(f"the proto declares {sorted(declared)} but handlers exist for {sorted(handlers)}")
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)
