@@ -123,7 +123,7 @@ class Server:
             await server.stop(grace=1.0)
             if self._engine is not None:
                 logger.info("stopping the engine")
-                await asyncio.to_thread(self._engine.shutdown)
+                await self._engine.close()
             metrics_server.shutdown()
             metrics_thread.join(timeout=5)
             logger.info("stopped")

@@ -75,5 +75,5 @@ class Engine(Protocol):
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
         """Stop the engine processes; safe to call twice."""

@@ -6,6 +6,8 @@ and errors are translated here into the project's own types.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import os
 import platform
@@ -234,8 +236,21 @@ class VllmEngine:
         async for _ in self.generate(f"warmup-{uuid.uuid4().hex}", prompt, spec):
             pass
 
-    def shutdown(self) -> None:
+    async def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._llm.shutdown()
+        llm = self._llm
+        # Stop reading engine outputs first: otherwise the reader sees the engine
+        # core go away and logs a spurious "EngineDeadError" at every shutdown.
+        handler = llm.output_handler
+        if handler is not None:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+            llm.output_handler = None
+        await asyncio.to_thread(llm.shutdown)
+        # Drop the last reference while the interpreter is whole: AsyncLLM.__del__
+        # shuts down again, and at interpreter exit that fails noisily.
+        self._llm = None
+        del llm

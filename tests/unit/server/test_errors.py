@@ -1,0 +1,40 @@
+import asyncio
+
+import grpc
+import pytest
+
+from server.errors import (
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotReadyError,
+    OverloadedError,
+    rejection_reason,
+    status_for,
+)
+
+
+@pytest.mark.parametrize(
+    ("exc", "code"),
+    [
+        (InvalidRequestError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
+        (OverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (NotReadyError("starting"), grpc.StatusCode.UNAVAILABLE),
+        (EngineUnavailableError("dead"), grpc.StatusCode.UNAVAILABLE),
+        (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
+        (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
+        (ValueError("not ours"), grpc.StatusCode.INTERNAL),
+    ],
+)
+def test_exception_maps_to_status(exc: BaseException, code: grpc.StatusCode) -> None:
+    assert status_for(exc) is code
+
+
+def test_invalid_request_message_starts_with_the_field() -> None:
+    assert str(InvalidRequestError("sampling.top_p", "must be in (0, 1]")) == "sampling.top_p: must be in (0, 1]"
+
+
+def test_only_refusals_count_as_rejections() -> None:
+    assert rejection_reason(OverloadedError("x")) == "overloaded"
+    assert rejection_reason(InvalidRequestError("f", "m")) == "invalid_argument"
+    assert rejection_reason(NotReadyError("x")) == "not_ready"
+    assert rejection_reason(RuntimeError("x")) is None
