@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import os
 import platform
@@ -114,10 +115,14 @@ class VllmEngine:
                 tensor_parallel_size=parallel.tensor_parallel_size,
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
             )
-            return cls(llm, description)
+            engine = cls(llm, description)
         except BaseException:
             llm.shutdown()
             raise
+        # Something in vLLM keeps this frame alive after start-up; a local
+        # reference here would keep AsyncLLM alive past close() (see close()).
+        del llm
+        return engine
 
     @property
     def description(self) -> ModelDescription:
@@ -253,4 +258,5 @@ class VllmEngine:
         # Drop the last reference while the interpreter is whole: AsyncLLM.__del__
         # shuts down again, and at interpreter exit that fails noisily.
         self._llm = None
-        del llm
+        del llm, handler
+        gc.collect()

@@ -1,0 +1,52 @@
+"""Fixtures for integration tests: the real engine behind real servers.
+
+The default server starts once per session; modules that must stop or break a
+server (drain, engine death) start their own through `start_server`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from server.client import PhasescopeClient
+from server.default_model import ensure_default_model
+from support.servers import ServerProcess
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """Prepared once per machine (cached), before any server starts, so start-up timeouts stay honest."""
+    return ensure_default_model()
+
+
+@pytest.fixture(scope="session")
+def start_server(
+    default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def start(*extra_args: str, wait: bool = True) -> ServerProcess:
+        log = tmp_path_factory.mktemp("server") / "serve.log"
+        server = ServerProcess(log, tuple(extra_args))
+        started.append(server)
+        if wait:
+            server.wait_serving()
+        return server
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    return start_server()
+
+
+@pytest.fixture
+def client(server: ServerProcess) -> Iterator[PhasescopeClient]:
+    with server.client() as c:
+        yield c

@@ -1,0 +1,136 @@
+"""Generate, stream, tokenize and describe against the real engine behind a real gRPC server."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import grpc
+import pytest
+
+from phasescope.v1 import inference_pb2 as pb
+from server.client import PhasescopeClient, build_request
+from support.servers import ServerProcess
+
+CAPITAL = [("user", "What is the capital of France?")]
+
+
+def test_greedy_chat_answers_paris(client: PhasescopeClient) -> None:
+    response = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=32))
+    assert "Paris" in response.text
+    assert response.finish_reason == pb.FINISH_REASON_STOP
+    assert response.usage.completion_tokens == len(response.token_ids) > 0
+    assert response.usage.prompt_tokens == len(client.tokenize(chat=CAPITAL))
+
+
+def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: PhasescopeClient) -> None:
+    request = build_request(prompt="Write a short poem about the sea.", temperature=0.8, seed=1234, max_tokens=24)
+    chunks = list(client.generate_stream(request))
+    unary = client.generate(request)
+    assert len(chunks) > 1
+    assert "".join(chunk.text for chunk in chunks) == unary.text
+    assert [t for chunk in chunks for t in chunk.token_ids] == list(unary.token_ids)
+    # Only the last chunk carries the summary.
+    assert all(not chunk.HasField("timings") for chunk in chunks[:-1])
+    assert chunks[-1].usage.completion_tokens == len(unary.token_ids)
+
+
+def test_timings_come_from_the_engine_and_add_up(client: PhasescopeClient) -> None:
+    response = client.generate(build_request(prompt="Count to twenty:", max_tokens=16, ignore_eos=True))
+    t = response.timings
+    assert response.usage.completion_tokens == 16
+    assert t.queue_seconds >= 0
+    assert t.prefill_seconds > 0
+    assert t.decode_seconds > 0
+    assert t.time_to_first_token_seconds >= t.prefill_seconds
+    engine_time = t.queue_seconds + t.prefill_seconds + t.decode_seconds
+    # E2E also holds the hop from the front end's arrival to the engine's queue
+    # (tokenisation and IPC): never negative, and a small part of the request.
+    assert t.e2e_seconds >= engine_time
+    assert t.e2e_seconds - engine_time < 0.5 * t.e2e_seconds
+    assert t.mean_inter_token_seconds == pytest.approx(t.decode_seconds / 15, rel=1e-6)
+    assert t.decode_tokens_per_second == pytest.approx(15 / t.decode_seconds, rel=1e-6)
+
+
+def test_stream_delivers_tokens_before_the_request_ends(client: PhasescopeClient) -> None:
+    arrivals: list[float] = []
+    for _ in client.generate_stream(build_request(prompt="Tell me a story.", max_tokens=24, ignore_eos=True)):
+        arrivals.append(time.monotonic())
+    # Real streaming spreads chunks over the decode; a buffered reply would land all at once.
+    assert len(arrivals) > 10
+    assert arrivals[-1] - arrivals[0] > 0
+
+
+def wait_until_engine_idle(server, timeout: float = 5.0) -> tuple[float, float]:
+    deadline = time.monotonic() + timeout
+    running = in_flight = -1.0
+    while time.monotonic() < deadline:
+        running = server.sample_sum("vllm:num_requests_running") + server.sample_sum("vllm:num_requests_waiting")
+        in_flight = server.sample_sum("phasescope_requests_in_flight")
+        if running == 0 and in_flight == 0:
+            break
+        time.sleep(0.05)
+    return running, in_flight
+
+
+def test_cancelled_stream_frees_the_engine(server: ServerProcess, client: PhasescopeClient) -> None:
+    cancelled_before = server.sample_sum("phasescope_requests_total", code="CANCELLED")
+    stream = client.generate_stream(build_request(prompt="Tell me a long story.", max_tokens=1000, ignore_eos=True))
+    for received, _ in enumerate(stream, start=1):
+        if received == 3:
+            stream.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+            break
+    cancelled_at = time.monotonic()
+    running, in_flight = wait_until_engine_idle(server, timeout=1.0)
+    assert (running, in_flight) == (0, 0), f"still running {time.monotonic() - cancelled_at:.2f} s after cancel"
+    assert server.sample_sum("phasescope_requests_total", code="CANCELLED") == cancelled_before + 1
+
+
+def test_deadline_mid_decode_frees_the_engine(server: ServerProcess) -> None:
+    with server.client(timeout_seconds=1.0) as short, pytest.raises(grpc.RpcError) as caught:
+        for _ in short.generate_stream(build_request(prompt="Go on forever.", max_tokens=1500, ignore_eos=True)):
+            pass
+    assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    assert wait_until_engine_idle(server, timeout=2.0) == (0, 0)
+
+
+def test_concurrent_streams_are_all_served(server: ServerProcess) -> None:
+    results: dict[int, str] = {}
+    errors: list[BaseException] = []
+
+    def run(index: int) -> None:
+        try:
+            with server.client() as c:
+                results[index] = c.generate(build_request(prompt=f"Say the number {index}.", max_tokens=8)).text
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(i,)) for i in range(6)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(results) == 6
+
+
+def test_tokenize_agrees_with_prompt_usage(client: PhasescopeClient) -> None:
+    ids = client.tokenize(text="The quick brown fox")
+    assert ids
+    response = client.generate(build_request(token_ids=ids, max_tokens=2))
+    assert response.usage.prompt_tokens == len(ids)
+
+
+def test_model_info_describes_the_default_model(client: PhasescopeClient) -> None:
+    info = client.model_info()
+    assert info.model_name == "SmolLM2-135M-Instruct"
+    assert info.max_context_length == 2048
+    assert info.engine == "vllm"
+    assert info.engine_version
+    # Counted from the checkpoint: embeddings are tied, so stored once.
+    assert info.parameter_count == 134_515_008
+    assert info.weight_bytes == info.parameter_count * {"float32": 4, "bfloat16": 2, "float16": 2}[info.dtype]
+    # 2 x 30 layers x 3 KV heads x 64 dims x element bytes.
+    assert info.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * (info.weight_bytes // info.parameter_count)
+    assert info.vocab_size == 49152
+    assert info.device
