@@ -24,7 +24,9 @@ def test_greedy_chat_answers_paris(client: PhasescopeClient) -> None:
 
 
 def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: PhasescopeClient) -> None:
-    request = build_request(prompt="Write a short poem about the sea.", temperature=0.8, seed=1234, max_tokens=24)
+    request = build_request(
+        chat=[("user", "Write a short poem about the sea.")], temperature=0.8, seed=1234, max_tokens=24
+    )
     chunks = list(client.generate_stream(request))
     unary = client.generate(request)
     assert len(chunks) > 1
