@@ -194,6 +194,11 @@ class VllmEngine:
             ) as outputs:
                 async for output in outputs:
                     completion = output.outputs[0]
+                    if completion.finish_reason == "abort":
+                        # Our own aborts (client gone) close this generator and never
+                        # come back as outputs: an abort seen here came from the engine,
+                        # which does that when an engine core stops.
+                        raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
                     stats = output.metrics
                     stamps = None
                     if stats is not None:

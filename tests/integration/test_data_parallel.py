@@ -1,0 +1,91 @@
+"""Two engine cores behind one front end (--data-parallel-size 2), and what happens when one dies."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+import psutil
+import pytest
+
+from server.client import build_request
+from support.servers import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def dp_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    return start_server("--data-parallel-size", "2")
+
+
+def test_concurrent_requests_are_answered_correctly_by_both_engines(dp_server: ServerProcess) -> None:
+    answers: list[str] = []
+    errors: list[BaseException] = []
+
+    def ask() -> None:
+        try:
+            with dp_server.client() as client:
+                request = build_request(
+                    chat=[("user", "What is the capital of France?")], temperature=0.0, max_tokens=16
+                )
+                answers.append(client.generate(request).text)
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=ask) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors
+    assert len(answers) == 8
+    assert all("Paris" in answer for answer in answers)
+    # Both engine cores did part of the work, and say so on /metrics.
+    for engine in ("0", "1"):
+        assert dp_server.sample_sum("vllm:generation_tokens_total", engine=engine) > 0, engine
+    assert dp_server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") >= 8
+
+
+def test_health_and_model_info_report_both_engines(dp_server: ServerProcess) -> None:
+    assert dp_server.health() == "SERVING"
+    with dp_server.client() as client:
+        assert client.model_info().data_parallel_size == 2
+
+
+def engine_cores(server: ServerProcess) -> list[psutil.Process]:
+    children = psutil.Process(server.process.pid).children(recursive=True)
+    return [child for child in children if "EngineCore" in " ".join(child.cmdline()) or "EngineCore" in child.name()]
+
+
+def test_dead_engine_core_fails_streams_unavailable_and_the_server_exits(dp_server: ServerProcess) -> None:
+    cores = engine_cores(dp_server)
+    assert len(cores) == 2
+    errors: list[grpc.RpcError] = []
+    started = threading.Barrier(3)
+
+    def stream() -> None:
+        with dp_server.client() as client:
+            call = client.generate_stream(build_request(prompt="Keep talking.", max_tokens=1500, ignore_eos=True))
+            try:
+                for index, _ in enumerate(call):
+                    if index == 1:
+                        started.wait(60)
+            except grpc.RpcError as exc:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=stream) for _ in range(2)]
+    for thread in threads:
+        thread.start()
+    started.wait(60)
+    cores[0].kill()
+    for thread in threads:
+        thread.join(120)
+    assert len(errors) == 2
+    assert all(error.code() is grpc.StatusCode.UNAVAILABLE for error in errors), [e.details() for e in errors]
+    deadline = time.monotonic() + 30
+    while dp_server.process.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.1)
+    # The server said it could not serve and exited non-zero, leaving no engine behind.
+    assert dp_server.process.poll() == 1
+    assert not [core for core in cores if core.is_running() and core.status() != psutil.STATUS_ZOMBIE]

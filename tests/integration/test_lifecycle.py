@@ -1,0 +1,106 @@
+"""Health through start-up, overload refusal, and SIGTERM draining, on a server of this module's own."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import grpc
+import pytest
+
+from phasescope.v1 import inference_pb2 as pb
+from server.client import build_request
+from support.servers import ServerProcess
+
+LONG = build_request(prompt="Tell me everything about the sea.", max_tokens=400, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def small_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
+    # One running slot and one waiting slot: the third concurrent request is refused.
+    server = start_server("--max-concurrent-requests", "1", "--max-queued-requests", "1", wait=False)
+    server.wait_serving()
+    return server
+
+
+class Stream:
+    """A streaming call read on a thread, so a test can act while it runs."""
+
+    def __init__(self, server: ServerProcess, request: pb.GenerateRequest) -> None:
+        self.chunks: list[pb.GenerateStreamResponse] = []
+        self.error: grpc.RpcError | None = None
+        self.first_chunk = threading.Event()
+        self._client = server.client()
+        self._call: Iterator[pb.GenerateStreamResponse] = self._client.generate_stream(request)
+        self._thread = threading.Thread(target=self._read)
+        self._thread.start()
+
+    def _read(self) -> None:
+        try:
+            for chunk in self._call:
+                self.chunks.append(chunk)
+                self.first_chunk.set()
+        except grpc.RpcError as exc:
+            self.error = exc
+        finally:
+            self.first_chunk.set()
+
+    def cancel(self) -> None:
+        self._call.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+
+    def join(self, timeout: float = 120) -> None:
+        self._thread.join(timeout)
+        self._client.close()
+
+
+def test_health_is_not_serving_until_the_engine_is_warm(small_server: ServerProcess) -> None:
+    # The gRPC port opens before the engine loads; health must say so.
+    seen = [status for status in small_server.health_history if status != "UNREACHABLE"]
+    assert seen == ["NOT_SERVING", "SERVING"]
+    assert small_server.health("phasescope.v1.Inference") == "SERVING"
+
+
+def test_requests_beyond_capacity_are_resource_exhausted(small_server: ServerProcess) -> None:
+    before = small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded")
+    running = Stream(small_server, LONG)
+    assert running.first_chunk.wait(60)
+    waiting = Stream(small_server, build_request(prompt="Wait your turn.", max_tokens=4))
+    deadline = time.monotonic() + 30
+    while small_server.sample_sum("phasescope_requests_in_flight") < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    try:
+        with small_server.client() as client, pytest.raises(grpc.RpcError) as caught:
+            client.generate(build_request(prompt="One too many.", max_tokens=4))
+        assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "capacity" in (caught.value.details() or "")
+        assert small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded") == before + 1
+    finally:
+        running.cancel()
+        running.join()
+        waiting.join()
+    # The waiting request was admitted and served once the slot freed.
+    assert waiting.error is None
+    assert waiting.chunks[-1].usage.completion_tokens == 4
+    # Capacity is back.
+    with small_server.client() as client:
+        assert client.generate(build_request(prompt="Now?", max_tokens=2)).usage.completion_tokens == 2
+
+
+def test_sigterm_drains_in_flight_requests_then_stops(small_server: ServerProcess) -> None:
+    in_flight = Stream(small_server, build_request(prompt="A long answer please.", max_tokens=60, ignore_eos=True))
+    assert in_flight.first_chunk.wait(60)
+    small_server.process.terminate()
+    deadline = time.monotonic() + 10
+    while small_server.health() == "SERVING" and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert small_server.health() == "NOT_SERVING"
+    with small_server.client() as client, pytest.raises(grpc.RpcError) as caught:
+        client.generate(build_request(prompt="Too late.", max_tokens=2))
+    assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+    in_flight.join()
+    # The request in flight at SIGTERM ran to its end inside the grace period.
+    assert in_flight.error is None
+    assert in_flight.chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
+    assert in_flight.chunks[-1].usage.completion_tokens == 60
+    assert small_server.process.wait(timeout=60) == 0
