@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import REGISTRY, CollectorRegistry, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
 
 from server.config import Settings
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -76,6 +76,8 @@ class Server:
             loop.add_signal_handler(signum, self.request_stop)
 
         model_path, model_name = await asyncio.to_thread(resolve_model, settings)
+        # `*_created` series double the exposition and no dashboard reads them.
+        disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
         observer = ObserverGroup([PrometheusRequestObserver(self.registry)])
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
         servicer = InferenceServicer(observer, admission, model_name)

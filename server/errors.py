@@ -6,8 +6,8 @@
     ├── NotReadyError            engine still starting, or the server draining: UNAVAILABLE
     └── EngineUnavailableError   the engine died: UNAVAILABLE
 
-`asyncio.CancelledError` (client went away or its deadline passed) is
-CANCELLED; anything else is INTERNAL and logged with its traceback.
+`asyncio.CancelledError` or `GeneratorExit` (client went away or its deadline
+passed) is CANCELLED; anything else is INTERNAL and logged with its traceback.
 """
 
 from __future__ import annotations
@@ -48,6 +48,8 @@ _STATUS_TABLE: tuple[tuple[type[BaseException], grpc.StatusCode], ...] = (
     (NotReadyError, grpc.StatusCode.UNAVAILABLE),
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (asyncio.CancelledError, grpc.StatusCode.CANCELLED),
+    # A stream closed while suspended at `yield` (the client cancelled between chunks).
+    (GeneratorExit, grpc.StatusCode.CANCELLED),
 )
 
 

@@ -21,6 +21,7 @@ from server.errors import (
         (NotReadyError("starting"), grpc.StatusCode.UNAVAILABLE),
         (EngineUnavailableError("dead"), grpc.StatusCode.UNAVAILABLE),
         (asyncio.CancelledError(), grpc.StatusCode.CANCELLED),
+        (GeneratorExit(), grpc.StatusCode.CANCELLED),
         (RuntimeError("bug"), grpc.StatusCode.INTERNAL),
         (ValueError("not ours"), grpc.StatusCode.INTERNAL),
     ],
