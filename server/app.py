@@ -26,9 +26,12 @@ from server.config import Settings
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
+from server.peaks import resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from telemetry.gpu_counters import GpmSampler, start_gpu_counters
 from telemetry.observer import ObserverGroup
 from telemetry.prometheus import PrometheusRequestObserver
+from telemetry.steps import RooflineTracker, StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +60,7 @@ class Server:
         self._engine: Engine | None = None
         self.health = health.aio.HealthServicer()
         self._grpc: grpc.aio.Server | None = None
+        self._gpu_counters: GpmSampler | None = None
         self.grpc_port = 0
 
     def request_stop(self) -> None:
@@ -110,10 +114,38 @@ class Server:
             metrics_server.server_port,
         )
         try:
-            engine = await self._start_engine(model_path, model_name)
+            steps = StepForwarder()
+            engine = await self._start_engine(model_path, model_name, steps)
             if engine is None:
                 return self.exit_code
-            servicer.attach_engine(engine)
+            description = engine.description
+            peaks = await asyncio.to_thread(
+                resolve_peaks, settings, description.device, description.on_cpu, description.dtype
+            )
+            tracker = RooflineTracker(
+                model_name,
+                description.cost,
+                description.dtype,
+                peaks,
+                self.registry,
+                engines=description.data_parallel_size,
+                shared_device=description.on_cpu,
+                window_seconds=settings.metrics_window_seconds,
+            )
+            steps.sink = tracker.record
+            if not description.on_cpu:
+                self._gpu_counters = await asyncio.to_thread(start_gpu_counters, self.registry, model_name)
+            logger.info(
+                "judging utilisation against %s peaks of %s: %.3g GB/s, %.3g TFLOP/s %s (ridge %.1f FLOP/byte)",
+                peaks.source,
+                peaks.description or peaks.device,
+                tracker.peak_memory_bandwidth_bytes_per_second / 1e9,
+                tracker.peak_flops / 1e12,
+                description.dtype,
+                tracker.peak_flops / tracker.peak_memory_bandwidth_bytes_per_second,
+            )
+            await engine.warm_up()
+            servicer.attach_engine(engine, peaks)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info("ready: serving %s (health SERVING)", model_name)
             watcher = asyncio.create_task(self._watch_engine(engine))
@@ -126,18 +158,20 @@ class Server:
             if self._engine is not None:
                 logger.info("stopping the engine")
                 await self._engine.close()
+            if self._gpu_counters is not None:
+                self._gpu_counters.close()
             metrics_server.shutdown()
             metrics_thread.join(timeout=5)
             logger.info("stopped")
         return self.exit_code
 
-    async def _start_engine(self, model_path: str, model_name: str) -> Engine | None:
+    async def _start_engine(self, model_path: str, model_name: str, steps: StepForwarder) -> Engine | None:
         """Start the engine off the event loop, so health answers while weights load."""
         from server.vllm_engine import VllmEngine
 
         started = time.monotonic()
         logger.info("starting the engine for %s (%s)", model_name, model_path)
-        start = asyncio.create_task(asyncio.to_thread(VllmEngine.start, self.settings, model_path, model_name))
+        start = asyncio.create_task(asyncio.to_thread(VllmEngine.start, self.settings, model_path, model_name, steps))
         stop = asyncio.create_task(self._stop.wait())
         await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()
@@ -147,7 +181,6 @@ class Server:
         self._engine = engine
         if self._stop.is_set():
             return None
-        await engine.warm_up()
         logger.info("engine started in %.1f s", time.monotonic() - started)
         return engine
 

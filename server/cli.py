@@ -170,6 +170,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     info = client_command("info", "print the server's health and model information")
     info.set_defaults(func=_cmd_info)
+
+    from server.roofline_cli import add_hardware_arguments, add_roofline_arguments, run_hardware, run_roofline
+
+    roofline = commands.add_parser(
+        "roofline",
+        help="what a model's decode and prefill can reach on a device",
+        description="Decode ceilings per batch size, compute utilisation and idleness, and the batch where decode "
+        "turns compute-bound, from the model's size and the device's datasheet peaks.",
+    )
+    add_roofline_arguments(roofline)
+    roofline.set_defaults(func=run_roofline)
+
+    hardware = commands.add_parser("hardware", help="measure (once, cached) this machine's memory bandwidth and FLOP/s")
+    add_hardware_arguments(hardware)
+    hardware.set_defaults(func=run_hardware)
     return parser
 
 

@@ -58,6 +58,17 @@ class Settings:
     """vLLM pipeline parallelism: stages the layers are cut into."""
     data_parallel_size: int = 1
     """vLLM data parallelism: engine cores behind this one front end, each with a full copy of the model."""
+    hardware: str = ""
+    """Judge utilisation against this device's datasheet peaks (h100-sxm, h200, a100-80gb, l4, ...); empty: detect
+    the GPU by name, or measure the CPU."""
+    probe_hardware: bool = False
+    """Measure the peaks with a short probe even on a GPU that has a datasheet row."""
+    peak_memory_bandwidth: float | None = None
+    """Peak memory bandwidth in bytes/s (e.g. 3.35e12); overrides the datasheet and the probe."""
+    peak_flops: float | None = None
+    """Peak dense FLOP/s in the served dtype (e.g. 989e12); overrides the datasheet and the probe."""
+    metrics_window_seconds: float = 10.0
+    """Sliding window of the tokens/s, bandwidth-saturation and compute-idleness gauges."""
     shutdown_grace_seconds: float = 30.0
     """On SIGTERM or SIGINT, how long in-flight requests may run before they are cut."""
     log_level: str = "info"
@@ -92,6 +103,17 @@ class Settings:
             problems.append(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
         if self.dtype not in {"auto", "bfloat16", "float16", "float32", "half", "float"}:
             problems.append(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}")
+        for name in ("peak_memory_bandwidth", "peak_flops"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                problems.append(f"--{_flag(name)} must be positive, got {value}")
+        if not self.metrics_window_seconds > 0:
+            problems.append(f"--metrics-window-seconds must be positive, got {self.metrics_window_seconds}")
+        if self.hardware:
+            from telemetry.hardware import DATASHEET, lookup_device
+
+            if lookup_device(self.hardware) is None:
+                problems.append(f"--hardware {self.hardware!r} is not in the table; known: {', '.join(DATASHEET)}")
         if self.shutdown_grace_seconds < 0:
             problems.append(f"--shutdown-grace-seconds must be 0 or more, got {self.shutdown_grace_seconds}")
         for name in ("log_level", "engine_log_level"):

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from server.validation import ModelLimits, ParsedInput, SamplingSpec
+from telemetry.model_cost import ModelCost
 from telemetry.phases import EngineTimestamps
 
 
@@ -32,6 +33,8 @@ class ModelDescription:
     data_parallel_size: int
     tensor_parallel_size: int
     pipeline_parallel_size: int
+    cost: ModelCost
+    on_cpu: bool
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,6 +36,7 @@ from server.validation import (
     parse_generate_input,
     parse_tokenize_input,
 )
+from telemetry.hardware import HardwarePeaks
 from telemetry.observer import RequestObserver
 from telemetry.phases import (
     EngineTimestamps,
@@ -145,12 +146,14 @@ class InferenceServicer:
         self._admission = admission
         self._model_name = model_name
         self._engine: Engine | None = None
+        self._peaks: HardwarePeaks | None = None
         self._draining = False
         # Engine timestamps are on the system-wide monotonic clock; one offset
         # taken here puts them on the wall clock (telemetry.phases).
         self._wall_offset_seconds = monotonic_to_wall_offset_seconds()
 
-    def attach_engine(self, engine: Engine) -> None:
+    def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> None:
+        self._peaks = peaks
         self._engine = engine
 
     def start_draining(self) -> None:
@@ -267,7 +270,19 @@ class InferenceServicer:
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:
         engine = self._ready_engine()
         d = engine.description
+        peaks = self._peaks
+        assert peaks is not None  # attached together with the engine
+        # On a CPU the engines share the machine's peaks (telemetry.steps.RooflineTracker).
+        share = d.data_parallel_size if d.on_cpu else 1
+        bandwidth = peaks.memory_bandwidth_bytes_per_second / share
+        flops = peaks.peak_flops(d.dtype) / share
         return pb.ModelInfo(
+            flops_per_token=d.cost.flops_per_token(),
+            peak_memory_bandwidth_bytes_per_second=bandwidth,
+            peak_flops=flops,
+            ridge_point_flops_per_byte=flops / bandwidth,
+            peak_source=peaks.source,
+            hardware=peaks.description or peaks.device,
             model_name=d.model_name,
             model_path=d.model_path,
             max_context_length=d.max_context_length,

@@ -11,7 +11,6 @@ import contextlib
 import gc
 import logging
 import os
-import platform
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
@@ -22,8 +21,11 @@ from server.config import Settings
 from server.engine import EngineStep, ModelDescription
 from server.errors import EngineUnavailableError, InvalidRequestError
 from server.validation import ModelLimits, ParsedInput, SamplingSpec
+from server.vllm_stats import stat_logger_factory
 from telemetry.model_cost import count_checkpoint_parameters, model_cost_from_config
 from telemetry.phases import EngineTimestamps
+from telemetry.probe import cpu_name
+from telemetry.steps import StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -31,16 +33,6 @@ logger = logging.getLogger(__name__)
 def configure_engine_logging(level: str) -> None:
     """vLLM reads its log level from the environment at import, in every process it spawns."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
-
-
-def _cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
 
 
 class VllmEngine:
@@ -55,8 +47,11 @@ class VllmEngine:
         self._closed = False
 
     @classmethod
-    def start(cls, settings: Settings, model_path: str, served_model_name: str) -> VllmEngine:
-        """Start the engine; blocks for the model's load time (run it off the event loop)."""
+    def start(cls, settings: Settings, model_path: str, served_model_name: str, steps: StepForwarder) -> VllmEngine:
+        """Start the engine; blocks for the model's load time (run it off the event loop).
+
+        Every engine step is reported to `steps`.
+        """
         import vllm
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
@@ -82,8 +77,12 @@ class VllmEngine:
             # Request stats carry the engine timestamps the phases come from.
             disable_log_stats=False,
             enable_log_requests=False,
+            # Per-step accounting done by the engine itself: token counts and
+            # execution time per step, and its analytic FLOPs and bytes.
+            enable_logging_iteration_details=True,
+            enable_mfu_metrics=True,
         )
-        llm = AsyncLLM.from_engine_args(engine_args)
+        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(steps)])
         try:
             model_config = llm.model_config
             hf_config = model_config.hf_config.to_dict()
@@ -93,7 +92,7 @@ class VllmEngine:
             cost = model_cost_from_config(hf_config, parameters, served_dtype)
             device = current_platform.device_type
             if device == "cpu":
-                device = f"cpu ({_cpu_name()})"
+                device = f"cpu ({cpu_name()})"
             else:
                 import torch
 
@@ -114,6 +113,8 @@ class VllmEngine:
                 data_parallel_size=parallel.data_parallel_size,
                 tensor_parallel_size=parallel.tensor_parallel_size,
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
+                cost=cost,
+                on_cpu=current_platform.is_cpu(),
             )
             engine = cls(llm, description)
         except BaseException:

@@ -77,11 +77,42 @@ class ModelCost:
         # Weight bytes = parameters x bytes per element of the served dtype.
         return self.parameter_count * self.bytes_per_parameter
 
+    def flops_per_token(self, context_length: int = 0) -> float:
+        # FLOPs per token ≈ 2 × parameters (one multiply and one add per weight)
+        # + attention: 4 × layers × context × hidden (QKᵀ and AV over the context);
+        # the attention term is small at short context and 0 when the shape is unknown.
+        return 2.0 * self.parameter_count + 4.0 * self.num_layers * context_length * self.hidden_size
+
     @property
     def kv_cache_bytes_per_token(self) -> int:
         # KV bytes per token = 2 (K and V) x layers x kv_heads x head_dim x bytes per element;
         # grouped-query attention is respected by using the KV heads, not the query heads.
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self.kv_bytes_per_element
+
+
+def model_cost_from_numbers(parameter_count: int, dtype: str) -> ModelCost:
+    """Cost of a model known only by its size: no KV-cache or attention terms."""
+    return ModelCost(
+        parameter_count=parameter_count,
+        bytes_per_parameter=dtype_bytes(dtype),
+        num_layers=0,
+        num_kv_heads=0,
+        head_dim=0,
+        hidden_size=0,
+        kv_bytes_per_element=dtype_bytes(dtype),
+    )
+
+
+def model_cost_from_folder(folder: Path, dtype: str | None = None, parameter_count: int | None = None) -> ModelCost:
+    """Cost of a Hugging Face model folder (or a bare `config.json`); parameters counted from its checkpoint."""
+    config_path = folder / "config.json" if folder.is_dir() else folder
+    config = json.loads(config_path.read_text())
+    if parameter_count is None:
+        parameter_count = count_checkpoint_parameters(config_path.parent)
+    if parameter_count is None:
+        raise ValueError(f"{config_path.parent} holds no safetensors checkpoint: give the parameter count")
+    served = dtype or str(config.get("torch_dtype") or config.get("dtype") or "bfloat16")
+    return model_cost_from_config(config, parameter_count, served)
 
 
 def model_cost_from_config(

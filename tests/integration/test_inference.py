@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 import time
 
 import grpc
 import pytest
+from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from phasescope.v1 import inference_pb2 as pb
-from server.client import PhasescopeClient, build_request
+from server.client import AsyncPhasescopeClient, PhasescopeClient, build_request
 from support.servers import ServerProcess
 
 CAPITAL = [("user", "What is the capital of France?")]
@@ -136,3 +138,34 @@ def test_model_info_describes_the_default_model(client: PhasescopeClient) -> Non
     assert info.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * (info.weight_bytes // info.parameter_count)
     assert info.vocab_size == 49152
     assert info.device
+
+
+def test_chat_tokenize_renders_the_chat_template(client: PhasescopeClient) -> None:
+    plain = client.tokenize(text="What is the capital of France?")
+    chat = client.tokenize(chat=CAPITAL)
+    # The template wraps the message in role markers (and SmolLM2's default system turn).
+    assert len(chat) > len(plain)
+
+
+def test_async_client_streams_and_describes(server: ServerProcess) -> None:
+    async def scenario() -> tuple[str, int, str]:
+        async with AsyncPhasescopeClient(server.address, timeout_seconds=120) as client:
+            text = ""
+            async for chunk in client.generate_stream(build_request(chat=CAPITAL, temperature=0.0, max_tokens=16)):
+                text += chunk.text
+            info = await client.model_info()
+            return text, info.max_context_length, await client.health()
+
+    text, context, health = asyncio.run(scenario())
+    assert "Paris" in text
+    assert context == 2048
+    assert health == "SERVING"
+
+
+def test_reflection_lists_the_services(server: ServerProcess) -> None:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        request = reflection_pb2.ServerReflectionRequest(list_services="")
+        responses = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
+    names = {service.name for service in responses[0].list_services_response.service}
+    assert {"phasescope.v1.Inference", "grpc.health.v1.Health"} <= names

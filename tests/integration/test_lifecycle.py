@@ -65,7 +65,7 @@ def test_requests_beyond_capacity_are_resource_exhausted(small_server: ServerPro
     before = small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded")
     running = Stream(small_server, LONG)
     assert running.first_chunk.wait(60)
-    waiting = Stream(small_server, build_request(prompt="Wait your turn.", max_tokens=4))
+    waiting = Stream(small_server, build_request(prompt="Wait your turn.", max_tokens=4, ignore_eos=True))
     deadline = time.monotonic() + 30
     while small_server.sample_sum("phasescope_requests_in_flight") < 2 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -478,6 +478,12 @@ class ModelInfo(_message.Message):
     DATA_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     TENSOR_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
     PIPELINE_PARALLEL_SIZE_FIELD_NUMBER: _builtins.int
+    FLOPS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    PEAK_MEMORY_BANDWIDTH_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    PEAK_FLOPS_FIELD_NUMBER: _builtins.int
+    RIDGE_POINT_FLOPS_PER_BYTE_FIELD_NUMBER: _builtins.int
+    PEAK_SOURCE_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The name clients and metrics know the model by."""
     model_path: _builtins.str
@@ -499,6 +505,17 @@ class ModelInfo(_message.Message):
     data_parallel_size: _builtins.int
     tensor_parallel_size: _builtins.int
     pipeline_parallel_size: _builtins.int
+    flops_per_token: _builtins.float
+    """FLOPs per token of a forward pass at short context: 2 x parameters."""
+    peak_memory_bandwidth_bytes_per_second: _builtins.float
+    """The peaks each engine is judged against (on a CPU, shared between engines)."""
+    peak_flops: _builtins.float
+    ridge_point_flops_per_byte: _builtins.float
+    """peak_flops / peak_memory_bandwidth_bytes_per_second."""
+    peak_source: _builtins.str
+    """"datasheet", "measured" or "flag"."""
+    hardware: _builtins.str
+    """The device the peaks describe."""
     def __init__(
         self,
         *,
@@ -516,10 +533,16 @@ class ModelInfo(_message.Message):
         data_parallel_size: _builtins.int = ...,
         tensor_parallel_size: _builtins.int = ...,
         pipeline_parallel_size: _builtins.int = ...,
+        flops_per_token: _builtins.float = ...,
+        peak_memory_bandwidth_bytes_per_second: _builtins.float = ...,
+        peak_flops: _builtins.float = ...,
+        ridge_point_flops_per_byte: _builtins.float = ...,
+        peak_source: _builtins.str = ...,
+        hardware: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_parallel_size", b"data_parallel_size", "device", b"device", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "pipeline_parallel_size", b"pipeline_parallel_size", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_parallel_size", b"data_parallel_size", "device", b"device", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -1,0 +1,251 @@
+"""`phasescope roofline` and `phasescope hardware`: the calculator and the peaks, on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from telemetry.hardware import DATASHEET, HardwarePeaks, lookup_device
+from telemetry.model_cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
+from telemetry.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
+
+
+def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (no KV-cache or attention terms)")
+    model.add_argument("--model", type=Path, help="Hugging Face model folder, or a bare config.json")
+    parser.add_argument("--dtype", default="bf16", help="served dtype: bf16, fp16, fp8, fp32 (default bf16)")
+    parser.add_argument(
+        "--hardware",
+        default="h100-sxm",
+        help=f"device from the datasheet table: {', '.join(DATASHEET)} (default h100-sxm)",
+    )
+    parser.add_argument("--peak-memory-bandwidth", type=float, help="override: peak bytes/s, e.g. 3.35e12")
+    parser.add_argument("--peak-flops", type=float, help="override: peak dense FLOP/s, e.g. 989e12")
+    parser.add_argument("--parameters-in-checkpoint", type=int, help="with --model: parameter count, if no safetensors")
+    parser.add_argument(
+        "--batch-sizes",
+        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+        help="comma-separated decode batch sizes (default %(default)s)",
+    )
+    parser.add_argument("--context", type=int, default=0, help="context length per sequence in tokens (default 0)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the prefill estimate")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
+    parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
+
+
+def _cost_and_peaks(args: argparse.Namespace) -> tuple[ModelCost, HardwarePeaks]:
+    if args.params is not None:
+        cost = model_cost_from_numbers(int(args.params), args.dtype)
+    else:
+        cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint)
+    peaks = lookup_device(args.hardware)
+    if peaks is None:
+        raise SystemExit(f"phasescope roofline: unknown --hardware {args.hardware!r}; known: {', '.join(DATASHEET)}")
+    return cost, peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
+
+
+def live_points(metrics_url: str) -> list[dict[str, Any]]:
+    """Operating points (intensity, FLOP/s) per engine and phase from a running server's /metrics."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    intensity: dict[tuple[str, str], float] = {}
+    utilization: dict[tuple[str, str], float] = {}
+    peak_flops = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            key = (sample.labels.get("engine", ""), sample.labels.get("phase", ""))
+            if sample.name == "phasescope_arithmetic_intensity_flops_per_byte":
+                intensity[key] = sample.value
+            elif sample.name == "phasescope_compute_utilization_ratio":
+                utilization[key] = sample.value
+            elif sample.name == "phasescope_hardware_peak_flops":
+                peak_flops = sample.value
+    return [
+        {
+            "engine": engine,
+            "phase": phase,
+            "arithmetic_intensity_flops_per_byte": value,
+            "achieved_flops_per_second": utilization.get((engine, phase), 0.0) * peak_flops,
+        }
+        for (engine, phase), value in sorted(intensity.items())
+        if value > 0
+    ]
+
+
+def print_table(report: RooflineReport) -> None:
+    out = sys.stdout
+
+    def gb(value: float) -> str:
+        return f"{value / 1e9:,.3f} GB"
+
+    print(
+        f"device {report.device} ({report.peak_source}): "
+        f"{report.peak_memory_bandwidth_bytes_per_second / 1e12:.3g} TB/s, "
+        f"{report.peak_flops / 1e12:.4g} TFLOP/s {report.dtype}; ridge point {report.ridge_point_flops_per_byte:.1f} "
+        "FLOP/byte (peak FLOP/s ÷ peak bytes/s)",
+        file=out,
+    )
+    print(
+        f"weights {gb(report.weight_bytes)}; KV cache {report.kv_bytes_per_token:,.0f} bytes/token; "
+        f"{report.flops_per_token / 1e9:,.3f} GFLOP/token at context {report.context_length}",
+        file=out,
+    )
+    print(
+        "decode step: bytes = weights + batch × context × KV bytes/token; FLOPs = batch × FLOPs/token; "
+        "time = max(bytes ÷ peak bytes/s, FLOPs ÷ peak FLOP/s)",
+        file=out,
+    )
+    header = ("batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound")
+    print("".join(f"{h:>13}" for h in header), file=out)
+    for row in report.rows:
+        cells = (
+            f"{row.batch_size}",
+            f"{row.decode_tokens_per_second_per_sequence:,.2f}",
+            f"{row.decode_tokens_per_second_total:,.1f}",
+            f"{row.achieved_flops_per_second / 1e12:,.3f}",
+            f"{row.memory_bandwidth_utilization:.1%}",
+            f"{row.compute_utilization:.2%}",
+            f"{row.compute_idle:.2%}",
+            f"{row.arithmetic_intensity_flops_per_byte:,.1f}",
+            row.bound,
+        )
+        print("".join(f"{c:>13}" for c in cells), file=out)
+    bound_at = report.compute_bound_batch_size
+    print(
+        "decode turns compute-bound at batch "
+        + (f"{bound_at}" if bound_at is not None else "never (KV-cache traffic grows as fast as the FLOPs)"),
+        file=out,
+    )
+    print(
+        f"prefill of a {report.prefill_tokens}-token prompt: {report.prefill_seconds * 1e3:,.2f} ms "
+        f"({report.prefill_bound}-bound)",
+        file=out,
+    )
+
+
+def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidth = report.peak_memory_bandwidth_bytes_per_second
+    peak = report.peak_flops
+    intensities = [row.arithmetic_intensity_flops_per_byte for row in report.rows]
+    low = min(
+        [*intensities, report.ridge_point_flops_per_byte, *(p["arithmetic_intensity_flops_per_byte"] for p in live)]
+    )
+    high = max([*intensities, report.ridge_point_flops_per_byte])
+    x_low, x_high = low / 4, high * 4
+    figure, axes = plt.subplots(figsize=(8, 5.5), dpi=100)
+    xs = [x_low * (x_high / x_low) ** (i / 200) for i in range(201)]
+    axes.plot(xs, [min(peak, bandwidth * x) for x in xs], color="black", linewidth=2, label="roofline")
+    axes.axvline(report.ridge_point_flops_per_byte, color="grey", linestyle=":", label="ridge point")
+    axes.scatter(
+        intensities, [row.achieved_flops_per_second for row in report.rows], color="tab:blue", zorder=3, label="decode"
+    )
+    for row in report.rows:
+        axes.annotate(
+            f"B={row.batch_size}",
+            (row.arithmetic_intensity_flops_per_byte, row.achieved_flops_per_second),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=8,
+        )
+    if live:
+        axes.scatter(
+            [p["arithmetic_intensity_flops_per_byte"] for p in live],
+            [p["achieved_flops_per_second"] for p in live],
+            color="tab:red",
+            marker="*",
+            s=120,
+            zorder=4,
+            label="live (server)",
+        )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("arithmetic intensity (FLOP/byte)")
+    axes.set_ylabel("FLOP/s")
+    axes.set_title(f"roofline: {report.device}, {report.dtype} ({report.peak_source} peaks)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def run_roofline(args: argparse.Namespace) -> int:
+    cost, peaks = _cost_and_peaks(args)
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        print(f"phasescope roofline: --batch-sizes must be integers, got {args.batch_sizes!r}", file=sys.stderr)
+        return 2
+    if not batch_sizes or min(batch_sizes) < 1 or args.context < 0 or args.prompt_tokens < 1:
+        print("phasescope roofline: batch sizes and --prompt-tokens must be ≥ 1, --context ≥ 0", file=sys.stderr)
+        return 2
+    report = roofline(
+        cost, peaks, args.dtype, batch_sizes=batch_sizes, context_length=args.context, prefill_tokens=args.prompt_tokens
+    )
+    live = live_points(args.metrics_url) if args.metrics_url else []
+    if args.json:
+        data = report.to_json()
+        if args.metrics_url:
+            data["live"] = live
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        print_table(report)
+        for point in live:
+            print(
+                f"live engine {point['engine']} {point['phase']}: {point['arithmetic_intensity_flops_per_byte']:.1f} "
+                f"FLOP/byte, {point['achieved_flops_per_second'] / 1e12:.4f} TFLOP/s"
+            )
+    if args.plot:
+        plot(report, args.plot, live)
+        print(f"roofline chart written to {args.plot}", file=sys.stderr)
+    return 0
+
+
+def run_hardware(args: argparse.Namespace) -> int:
+    from server.default_model import cache_root
+    from server.peaks import engine_threads
+    from telemetry.probe import cached_measure
+
+    if args.list:
+        for key, peaks in DATASHEET.items():
+            families = ", ".join(f"{f} {v / 1e12:g} TFLOP/s" for f, v in peaks.flops_per_second.items())
+            bandwidth = peaks.memory_bandwidth_bytes_per_second / 1e12
+            print(f"{key:>10}  {bandwidth:5.3g} TB/s  {families}  ({peaks.description})")
+        return 0
+    result, cached = cached_measure(
+        cache_root(),
+        device=args.device,
+        dtype=args.dtype,
+        threads=args.threads or engine_threads(),
+        refresh=args.refresh,
+    )
+    peaks = result.peaks()
+    print(f"device: {result.device} ({'cached' if cached else 'measured now'}, {result.seconds_taken:.1f} s)")
+    print(f"threads: {result.threads}")
+    bandwidth = result.memory_bandwidth_bytes_per_second / 1e9
+    print(f"memory bandwidth (triad a = b + s×c, 3 × array bytes per pass): {bandwidth:.2f} GB/s")
+    print(f"matmul {result.dtype} (2 × n³ FLOPs per product): {result.matmul_flops_per_second / 1e9:.2f} GFLOP/s")
+    print(f"ridge point: {peaks.ridge_point_flops_per_byte(result.dtype):.2f} FLOP/byte")
+    return 0
+
+
+def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--list", action="store_true", help="print the datasheet table instead of measuring")
+    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what to measure (default cpu)")
+    parser.add_argument("--dtype", default="float32", help="matmul dtype (default float32, the CPU's serving dtype)")
+    parser.add_argument("--threads", type=int, help="threads to measure with (default: the cores this process may use)")
+    parser.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")

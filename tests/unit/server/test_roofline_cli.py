@@ -1,0 +1,52 @@
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from server.cli import main
+
+
+def test_reference_case_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["roofline", "--params", "70e9", "--dtype", "bf16", "--hardware", "h100-sxm", "--batch-sizes", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "23.93" in out  # tokens/s per sequence
+    assert "3.350" in out  # TFLOP/s
+    assert "0.34%" in out  # compute utilisation
+    assert "99.66%" in out  # idle
+    assert "compute-bound at batch 296" in out
+
+
+def test_json_round_trips(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert json.loads(json.dumps(data)) == data
+    assert data["compute_bound_batch_size"] == 296
+    assert [row["batch_size"] for row in data["rows"]] == [1, 8]
+    assert data["rows"][0]["compute_idle"] == pytest.approx(0.9966, abs=1e-4)
+
+
+def test_plot_is_a_png_of_the_expected_size(tmp_path: Path) -> None:
+    path = tmp_path / "roofline.png"
+    assert main(["roofline", "--params", "7e9", "--hardware", "l4", "--plot", str(path)]) == 0
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (800, 550)
+
+
+def test_model_folder_gives_kv_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "134515008", "--json"]
+    assert main([*argv, "--dtype", "bf16", "--hardware", "a10g"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert data["weight_bytes"] == 134515008 * 2
+
+
+def test_unknown_hardware_is_refused() -> None:
+    with pytest.raises(SystemExit, match="unknown --hardware"):
+        main(["roofline", "--params", "1e9", "--hardware", "abacus"])
