@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 from typing import Any
 
@@ -53,13 +54,21 @@ def sample(registry: CollectorRegistry, name: str, gpu: str = "0") -> float | No
     return registry.get_sample_value(name, {"model": "m", "gpu": gpu})
 
 
+def wait_for_samples(registry: CollectorRegistry) -> None:
+    """The sampler runs on its own thread; its first result lands after one interval."""
+    deadline = time.monotonic() + 10
+    while sample(registry, "phasescope_gpu_dram_bandwidth_utilization_ratio") is None:
+        assert time.monotonic() < deadline, "no GPM sample within 10 s"
+        time.sleep(0.01)
+
+
 def test_supported_gpu_exports_measured_ratios() -> None:
     registry = CollectorRegistry()
     nvml = FakeNvml({10: 83.0, 5: 12.5, 2: 40.0})
     sampler = start_gpu_counters(registry, "m", interval_seconds=0.01, nvml=nvml)
     assert sampler is not None
+    wait_for_samples(registry)
     sampler.close()
-    sampler.sample_once()
     assert sample(registry, "phasescope_gpu_dram_bandwidth_utilization_ratio") == 0.83
     assert sample(registry, "phasescope_gpu_tensor_active_ratio") == 0.125
     assert sample(registry, "phasescope_gpu_sm_active_ratio") == 0.40
@@ -73,8 +82,8 @@ def test_a_metric_whose_return_code_fails_is_absent_not_zero() -> None:
     registry = CollectorRegistry()
     sampler = start_gpu_counters(registry, "m", 0.01, nvml=FakeNvml({10: 50.0, 5: 1.0, 2: 2.0}, frozenset({5})))
     assert sampler is not None
+    wait_for_samples(registry)
     sampler.close()
-    sampler.sample_once()
     assert sample(registry, "phasescope_gpu_dram_bandwidth_utilization_ratio") == 0.5
     assert sample(registry, "phasescope_gpu_tensor_active_ratio") is None
 
