@@ -1,0 +1,1 @@
+"""Benchmarks and load tests: they measure, they do not assert."""
