@@ -45,6 +45,9 @@ def test_concurrent_requests_are_answered_correctly_by_both_engines(dp_server: S
     for engine in ("0", "1"):
         assert dp_server.sample_sum("vllm:generation_tokens_total", engine=engine) > 0, engine
     assert dp_server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") >= 8
+    # Each engine core reports its own steps, under its own `engine` label.
+    for engine in ("0", "1"):
+        assert dp_server.sample_sum("phasescope_engine_step_tokens_total", engine=engine, phase="decode") > 0, engine
 
 
 def test_health_and_model_info_report_both_engines(dp_server: ServerProcess) -> None:

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
 import pytest
 
+from server.cli import main
 from server.client import build_request
 from support.servers import WINDOW_SECONDS, ServerProcess
 
@@ -118,3 +120,16 @@ def test_peaks_are_exported_with_their_source(server: ServerProcess) -> None:
     assert info.ridge_point_flops_per_byte == pytest.approx(
         info.peak_flops / info.peak_memory_bandwidth_bytes_per_second
     )
+
+
+def test_calculator_reads_live_operating_points(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    with server.client() as client:
+        client.generate(build_request(prompt="Warm the window:", max_tokens=24, ignore_eos=True))
+    url = f"http://127.0.0.1:{server.metrics_port}/metrics"
+    argv = ["roofline", "--params", "135e6", "--dtype", "fp32", "--hardware", "l4", "--json", "--metrics-url", url]
+    assert main(argv) == 0
+    live = json.loads(capsys.readouterr().out)["live"]
+    decode = [point for point in live if point["phase"] == "decode"]
+    assert decode
+    assert decode[0]["arithmetic_intensity_flops_per_byte"] > 0
+    assert decode[0]["achieved_flops_per_second"] > 0
