@@ -28,8 +28,9 @@ from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
 from server.peaks import resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from server.tracing_setup import build_tracing
 from telemetry.gpu_counters import GpmSampler, start_gpu_counters
-from telemetry.observer import ObserverGroup
+from telemetry.observer import ObserverGroup, RequestObserver
 from telemetry.prometheus import PrometheusRequestObserver
 from telemetry.steps import RooflineTracker, StepForwarder
 
@@ -82,12 +83,25 @@ class Server:
         model_path, model_name = await asyncio.to_thread(resolve_model, settings)
         # `*_created` series double the exposition and no dashboard reads them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
-        observer = ObserverGroup([PrometheusRequestObserver(self.registry)])
+        tracing = build_tracing(settings)
+        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry)]
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if tracing is not None:
+            observers.append(tracing.observer)
+            interceptors.append(tracing.interceptor)
+        # Listed outermost first: the server span wraps the status mapping, so it sees the final status.
+        interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME,)))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
-        servicer = InferenceServicer(observer, admission, model_name)
+        servicer = InferenceServicer(
+            ObserverGroup(observers),
+            admission,
+            model_name,
+            trace_id=tracing.trace_id if tracing is not None else lambda: None,
+            capture_text=tracing is not None and settings.trace_include_text,
+        )
 
         server = grpc.aio.server(
-            interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))],
+            interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
@@ -160,6 +174,9 @@ class Server:
                 await self._engine.close()
             if self._gpu_counters is not None:
                 self._gpu_counters.close()
+            if tracing is not None:
+                # Flushes the spans still batched.
+                await asyncio.to_thread(tracing.provider.shutdown)
             metrics_server.shutdown()
             metrics_thread.join(timeout=5)
             logger.info("stopped")

@@ -70,7 +70,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     import grpc
 
     from phasescope.v1 import inference_pb2 as pb
-    from server.client import PhasescopeClient, build_request
+    from server.client import PhasescopeClient, build_request, new_traceparent
 
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
     for name in ("temperature", "top_p", "top_k", "seed"):
@@ -83,7 +83,8 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     try:
         with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
             last: pb.GenerateStreamResponse | None = None
-            for chunk in client.generate_stream(request):
+            traceparent, trace_id = new_traceparent()
+            for chunk in client.generate_stream(request, traceparent=traceparent):
                 print(chunk.text, end="", flush=True)
                 last = chunk
     except grpc.RpcError as exc:
@@ -97,6 +98,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         print(f"[{_format_timings(last.timings)}]", file=sys.stderr)
+        print(f"[trace id {trace_id}]", file=sys.stderr)
     return 0
 
 

@@ -7,6 +7,7 @@ with PhasescopeClient("127.0.0.1:50051") as client:
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
 from types import TracebackType
 from typing import Any
@@ -18,6 +19,16 @@ from phasescope.v1 import inference_pb2 as pb
 from phasescope.v1 import inference_pb2_grpc as pb_grpc
 
 _CHANNEL_OPTIONS = [("grpc.max_receive_message_length", 16 * 2**20)]
+
+
+def new_traceparent() -> tuple[str, str]:
+    """A fresh sampled W3C `traceparent` and its trace id, so a request can be found in the traces."""
+    trace_id, span_id = secrets.token_hex(16), secrets.token_hex(8)
+    return f"00-{trace_id}-{span_id}-01", trace_id
+
+
+def _metadata(traceparent: str | None) -> tuple[tuple[str, str], ...] | None:
+    return (("traceparent", traceparent),) if traceparent else None
 
 
 def build_request(
@@ -49,12 +60,17 @@ class PhasescopeClient:
         self._health: Any = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout_seconds
 
-    def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        return self._stub.Generate(request, timeout=self._timeout)
+    def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
+        return self._stub.Generate(request, timeout=self._timeout, metadata=_metadata(traceparent))
 
-    def generate_stream(self, request: pb.GenerateRequest) -> Iterator[pb.GenerateStreamResponse]:
-        """Chunks as the engine produces them; cancel() the returned iterator to stop early."""
-        return self._stub.GenerateStream(request, timeout=self._timeout)
+    def generate_stream(
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None
+    ) -> Iterator[pb.GenerateStreamResponse]:
+        """Chunks as the engine produces them; cancel() the returned iterator to stop early.
+
+        `traceparent` (see `new_traceparent`) makes the server's spans part of the caller's trace.
+        """
+        return self._stub.GenerateStream(request, timeout=self._timeout, metadata=_metadata(traceparent))
 
     def tokenize(self, text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> list[int]:
         request = pb.TokenizeRequest()
@@ -94,12 +110,16 @@ class AsyncPhasescopeClient:
         self._health: Any = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout_seconds
 
-    async def generate(self, request: pb.GenerateRequest) -> pb.GenerateResponse:
-        response: pb.GenerateResponse = await self._stub.Generate(request, timeout=self._timeout)
+    async def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
+        response: pb.GenerateResponse = await self._stub.Generate(
+            request, timeout=self._timeout, metadata=_metadata(traceparent)
+        )
         return response
 
-    async def generate_stream(self, request: pb.GenerateRequest) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call: Any = self._stub.GenerateStream(request, timeout=self._timeout)
+    async def generate_stream(
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None
+    ) -> AsyncIterator[pb.GenerateStreamResponse]:
+        call: Any = self._stub.GenerateStream(request, timeout=self._timeout, metadata=_metadata(traceparent))
         try:
             async for chunk in call:
                 yield chunk

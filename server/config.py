@@ -69,6 +69,15 @@ class Settings:
     """Peak dense FLOP/s in the served dtype (e.g. 989e12); overrides the datasheet and the probe."""
     metrics_window_seconds: float = 10.0
     """Sliding window of the tokens/s, bandwidth-saturation and compute-idleness gauges."""
+    otlp_endpoint: str = ""
+    """OTLP/gRPC endpoint for traces (e.g. http://127.0.0.1:4317); empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
+    OTEL_EXPORTER_OTLP_ENDPOINT if set, else tracing is off."""
+    otel_service_name: str = ""
+    """service.name of the traces; empty: OTEL_SERVICE_NAME, else "phasescope"."""
+    trace_sample_ratio: float = 1.0
+    """Share of new traces sampled (a caller's sampled traceparent is always followed)."""
+    trace_include_text: bool = False
+    """Put prompt and output text in spans; off by default (text may be sensitive)."""
     shutdown_grace_seconds: float = 30.0
     """On SIGTERM or SIGINT, how long in-flight requests may run before they are cut."""
     log_level: str = "info"
@@ -114,6 +123,8 @@ class Settings:
 
             if lookup_device(self.hardware) is None:
                 problems.append(f"--hardware {self.hardware!r} is not in the table; known: {', '.join(DATASHEET)}")
+        if not 0 <= self.trace_sample_ratio <= 1:
+            problems.append(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
         if self.shutdown_grace_seconds < 0:
             problems.append(f"--shutdown-grace-seconds must be 0 or more, got {self.shutdown_grace_seconds}")
         for name in ("log_level", "engine_log_level"):
@@ -228,6 +239,21 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = argparse.ArgumentParser(prog="phasescope serve")
     add_settings_arguments(parser)
     return settings_from(parser.parse_args(list(argv)), environ)
+
+
+def traces_endpoint(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    """Where traces go: the flag, else the standard OTEL_* variables; empty means tracing is off."""
+    source = os.environ if environ is None else environ
+    return (
+        settings.otlp_endpoint
+        or source.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
+        or source.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+    )
+
+
+def traces_service_name(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
+    source = os.environ if environ is None else environ
+    return settings.otel_service_name or source.get("OTEL_SERVICE_NAME", "") or "phasescope"
 
 
 def env_cache_dir() -> str | None:

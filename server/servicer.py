@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 import uuid
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
 from typing import Any
 
@@ -28,6 +29,7 @@ from server.errors import (
     status_for,
 )
 from server.validation import (
+    ParsedInput,
     UndecodableRequest,
     build_sampling,
     check_prompt_length,
@@ -42,6 +44,8 @@ from telemetry.phases import (
     EngineTimestamps,
     PhaseRecord,
     PhaseTimings,
+    RequestParameters,
+    RequestText,
     derive_phase_timings,
     monotonic_to_wall_offset_seconds,
 )
@@ -87,6 +91,14 @@ class Admission:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
+
+
+def _prompt_text(parsed: ParsedInput) -> str:
+    if parsed.kind == "prompt":
+        return parsed.prompt
+    if parsed.kind == "chat":
+        return "\n".join(f"{turn.role}: {turn.content}" for turn in parsed.chat)
+    return " ".join(map(str, parsed.token_ids))
 
 
 def _timings_message(timings: PhaseTimings) -> pb.Timings:
@@ -141,8 +153,20 @@ class _RequestTrace:
 class InferenceServicer:
     """Implements phasescope.v1.Inference over an `Engine`."""
 
-    def __init__(self, observer: RequestObserver, admission: Admission, model_name: str) -> None:
+    def __init__(
+        self,
+        observer: RequestObserver,
+        admission: Admission,
+        model_name: str,
+        *,
+        trace_id: Callable[[], str | None] = lambda: None,
+        capture_text: bool = False,
+    ) -> None:
+        """`trace_id` names the current trace for exemplars (tracing hands one in; the servicer
+        never imports OpenTelemetry). `capture_text` puts prompt and output text in the record."""
         self._observer = observer
+        self._trace_id = trace_id
+        self._capture_text = capture_text
         self._admission = admission
         self._model_name = model_name
         self._engine: Engine | None = None
@@ -200,11 +224,15 @@ class InferenceServicer:
         engine_request_id = uuid.uuid4().hex
         trace = _RequestTrace(len(prompt_token_ids))
         code = grpc.StatusCode.OK
+        error: BaseException | None = None
+        outputs: list[str] = []
         self._observer.request_started(self._model_name)
         try:
             async with aclosing(engine.generate(engine_request_id, prompt_token_ids, sampling)) as steps:
                 async for step in steps:
                     trace.add(step)
+                    if self._capture_text:
+                        outputs.append(step.text)
                     chunk = pb.GenerateStreamResponse(
                         request_id=client_request_id, text=step.text, token_ids=step.token_ids
                     )
@@ -218,6 +246,7 @@ class InferenceServicer:
                     yield chunk
         except BaseException as exc:
             code = status_for(exc)
+            error = exc
             raise
         finally:
             self._admission.release()
@@ -231,6 +260,18 @@ class InferenceServicer:
                     completion_tokens=trace.completion_tokens,
                     timings=trace.timings(self._wall_offset_seconds),
                     inter_token_seconds=tuple(trace.inter_token_seconds),
+                    stamps=trace.stamps,
+                    wall_offset_seconds=self._wall_offset_seconds,
+                    ended_wall_time=time.time(),
+                    parameters=RequestParameters(
+                        operation="chat" if parsed.kind == "chat" else "text_completion",
+                        max_tokens=sampling.max_tokens,
+                        temperature=sampling.temperature,
+                        top_p=sampling.top_p,
+                    ),
+                    error=error,
+                    trace_id=self._trace_id(),
+                    text=RequestText(_prompt_text(parsed), "".join(outputs)) if self._capture_text else None,
                 )
             )
 

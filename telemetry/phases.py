@@ -92,8 +92,27 @@ def derive_phase_timings(stamps: EngineTimestamps, completion_tokens: int, wall_
 
 
 @dataclass(frozen=True, slots=True)
+class RequestParameters:
+    """What the request asked for, as tracing reports it (gen_ai.request.*)."""
+
+    operation: str = "text_completion"
+    """"chat" for chat input, "text_completion" for a prompt or token ids."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestText:
+    """Prompt and output text; present only when an operator turned text capture on."""
+
+    prompt: str
+    output: str
+
+
+@dataclass(frozen=True, slots=True)
 class PhaseRecord:
-    """One finished request, as observers see it. Holds no text and no request id."""
+    """One finished request, as observers see it. Holds no request id, and no text unless `text` is set."""
 
     model: str
     """The served model name (a bounded label)."""
@@ -108,6 +127,18 @@ class PhaseRecord:
     timings: PhaseTimings
     inter_token_seconds: tuple[float, ...] = ()
     """Each gap between consecutive output tokens, on the engine's clock."""
+    stamps: EngineTimestamps | None = None
+    """The engine's raw timestamps, for observers that place phases in time (tracing)."""
+    wall_offset_seconds: float = 0.0
+    """Add to an engine timestamp to get wall-clock seconds (monotonic_to_wall_offset_seconds)."""
+    ended_wall_time: float = 0.0
+    """Wall clock when the request ended in the front end (its end when it never produced a token)."""
+    parameters: RequestParameters = RequestParameters()
+    error: BaseException | None = None
+    """Why the request did not finish normally (its status is `code`)."""
+    trace_id: str | None = None
+    """Hex trace id of the request's trace when it is sampled, for exemplars."""
+    text: RequestText | None = None
 
     @property
     def prefill_tokens_computed(self) -> int:

@@ -93,17 +93,20 @@ class PrometheusRequestObserver:
         self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
         self.tokens.labels(model, "decode").inc(record.completion_tokens)
         timings = record.timings
+        # With tracing on, each observation links to its request's trace (shown when
+        # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         for phase, seconds in (
             ("queue", timings.queue_seconds),
             ("prefill", timings.prefill_seconds),
             ("decode", timings.decode_seconds),
         ):
             if seconds is not None:
-                self.phase_seconds.labels(model, phase).observe(seconds)
+                self.phase_seconds.labels(model, phase).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
-            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds)
+            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
         if timings.e2e_seconds is not None:
-            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds)
+            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
         inter_token = self.inter_token_latency_seconds.labels(model)
         for gap in record.inter_token_seconds:
             inter_token.observe(gap)
