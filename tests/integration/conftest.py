@@ -13,6 +13,7 @@ import pytest
 
 from server.client import PhasescopeClient
 from server.default_model import ensure_default_model
+from support.otlp import OtlpReceiver
 from support.servers import ServerProcess
 
 
@@ -28,9 +29,9 @@ def start_server(
 ) -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
-    def start(*extra_args: str, wait: bool = True) -> ServerProcess:
+    def start(*extra_args: str, wait: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
         log = tmp_path_factory.mktemp("server") / "serve.log"
-        server = ServerProcess(log, tuple(extra_args))
+        server = ServerProcess(log, tuple(extra_args), env)
         started.append(server)
         if wait:
             server.wait_serving()
@@ -42,8 +43,21 @@ def start_server(
 
 
 @pytest.fixture(scope="session")
-def server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
-    return start_server()
+def otlp_receiver() -> Iterator[OtlpReceiver]:
+    receiver = OtlpReceiver()
+    yield receiver
+    receiver.stop()
+
+
+@pytest.fixture(scope="session")
+def server(start_server: Callable[..., ServerProcess], otlp_receiver: OtlpReceiver) -> ServerProcess:
+    """The shared server traces every request to a real OTLP receiver run by the tests."""
+    return start_server(
+        "--otlp-endpoint",
+        f"http://127.0.0.1:{otlp_receiver.port}",
+        # Export batches every 100 ms instead of every 5 s, so tests see spans quickly.
+        env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+    )
 
 
 @pytest.fixture

@@ -42,13 +42,13 @@ def free_port() -> int:
 class ServerProcess:
     """One `phasescope serve` process and what a test needs to talk to it."""
 
-    def __init__(self, log_path: Path, extra_args: tuple[str, ...]) -> None:
+    def __init__(self, log_path: Path, extra_args: tuple[str, ...], extra_env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.log_path = log_path
         self.health_history: list[str] = []
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        env = dict(os.environ, PYTHONUNBUFFERED="1", **(extra_env or {}))
         self._log = log_path.open("wb")
         self.process = subprocess.Popen(
             [sys.executable, "-m", "server", "serve", *BASE_ARGS,
@@ -87,8 +87,11 @@ class ServerProcess:
     def client(self, timeout_seconds: float | None = 120) -> PhasescopeClient:
         return PhasescopeClient(self.address, timeout_seconds=timeout_seconds)
 
-    def metrics_text(self) -> str:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10) as response:
+    def metrics_text(self, openmetrics: bool = False) -> str:
+        request = urllib.request.Request(f"http://127.0.0.1:{self.metrics_port}/metrics")
+        if openmetrics:
+            request.add_header("Accept", "application/openmetrics-text; version=1.0.0")
+        with urllib.request.urlopen(request, timeout=10) as response:
             return str(response.read().decode())
 
     def samples(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
