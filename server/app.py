@@ -147,6 +147,7 @@ class Server:
                 window_seconds=settings.metrics_window_seconds,
             )
             steps.sink = tracker.record
+            steps.queue_sink = tracker.record_queue
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(start_gpu_counters, self.registry, model_name)
             logger.info(

@@ -21,7 +21,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, Gauge
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -59,10 +59,16 @@ class StepForwarder:
 
     def __init__(self) -> None:
         self.sink: Callable[[StepRecord], None] | None = None
+        self.queue_sink: Callable[[int, int, int], None] | None = None
 
     def __call__(self, step: StepRecord) -> None:
         if self.sink is not None:
             self.sink(step)
+
+    def queue(self, engine: int, running: int, waiting: int) -> None:
+        """The engine's scheduler state, reported with every stats update (also after aborts)."""
+        if self.queue_sink is not None:
+            self.queue_sink(engine, running, waiting)
 
 
 @dataclass(frozen=True, slots=True)
@@ -171,7 +177,20 @@ class RooflineTracker(Collector):
             ["model", "engine", "phase"],
             registry=registry,
         )
+        self.engine_requests = Gauge(
+            "phasescope_engine_requests",
+            "Requests in the engine's scheduler: running (in the batch) or waiting (queued for a slot).",
+            ["model", "engine", "state"],
+            registry=registry,
+        )
+        for engine in range(engines):
+            for state in ("running", "waiting"):
+                self.engine_requests.labels(model, str(engine), state).set(0)
         registry.register(self)
+
+    def record_queue(self, engine: int, running: int, waiting: int) -> None:
+        self.engine_requests.labels(self._model, str(engine), "running").set(running)
+        self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
 
     @property
     def peak_memory_bandwidth_bytes_per_second(self) -> float:

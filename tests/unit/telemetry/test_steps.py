@@ -120,3 +120,13 @@ def test_forwarder_drops_steps_until_a_sink_is_attached() -> None:
     forward.sink = seen.append
     forward(decode_step(2))
     assert [step.decode_requests for step in seen] == [2]
+
+
+def test_queue_depth_is_exported_per_engine() -> None:
+    registry = CollectorRegistry()
+    roofline = tracker(FakeClock(), registry, engines=2)
+    waiting = {"model": "m", "engine": "1", "state": "waiting"}
+    assert registry.get_sample_value("phasescope_engine_requests", waiting) == 0
+    roofline.record_queue(1, running=3, waiting=7)
+    assert registry.get_sample_value("phasescope_engine_requests", waiting) == 7
+    assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "running"}) == 3
