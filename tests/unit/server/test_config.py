@@ -28,6 +28,9 @@ def test_flag_beats_environment_which_beats_default() -> None:
         (["--kv-cache-gib", "-1"], "--kv-cache-gib"),
         (["--dtype", "int3"], "--dtype"),
         (["--data-parallel-size", "0"], "--data-parallel-size"),
+        (["--distributed-executor-backend", "slurm"], "--distributed-executor-backend"),
+        (["--trace-sample-ratio", "1.5"], "--trace-sample-ratio"),
+        (["--hardware", "abacus"], "--hardware"),
     ],
 )
 def test_bad_settings_are_refused_at_start(argv: list[str], message: str) -> None:

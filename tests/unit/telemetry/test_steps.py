@@ -127,6 +127,7 @@ def test_queue_depth_is_exported_per_engine() -> None:
     roofline = tracker(FakeClock(), registry, engines=2)
     waiting = {"model": "m", "engine": "1", "state": "waiting"}
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 0
-    roofline.record_queue(1, running=3, waiting=7)
+    roofline.record_queue(1, running=3, waiting=7, kv_cache_usage=0.25)
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 7
     assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "running"}) == 3
+    assert registry.get_sample_value("phasescope_kv_cache_usage_ratio", {"model": "m", "engine": "1"}) == 0.25
