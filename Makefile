@@ -8,7 +8,7 @@ STAMP := $(VENV)/.phasescope-setup
 PROTO_DIR := proto
 PROTO_FILES := $(wildcard $(PROTO_DIR)/phasescope/v1/*.proto)
 
-.PHONY: setup serve test lint typecheck unit integration proto clean-venv
+.PHONY: setup serve test lint typecheck unit integration loadtest proto clean-venv
 
 setup: $(STAMP)
 
@@ -22,6 +22,10 @@ serve: setup
 
 test: setup
 	bash scripts/check.sh
+
+# Headless locust against a server it starts (or ADDRESS=host:port): USERS, RATE, TIME, MAX_TOKENS, LOCUST_ARGS.
+loadtest: setup
+	bash scripts/loadtest.sh
 
 lint: setup
 	$(BIN)/ruff check .

@@ -184,6 +184,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_roofline_arguments(roofline)
     roofline.set_defaults(func=run_roofline)
 
+    bench = commands.add_parser(
+        "bench",
+        help="load sweeps with vLLM bench-serve results, plots, and --compare against vLLM",
+        description="Seeded concurrency and Poisson-rate sweeps against phasescope (started here unless --address); "
+        "--compare adds AsyncLLM in-process and vLLM's OpenAI server on the same workload.",
+    )
+
+    def run_bench(args: argparse.Namespace) -> int:
+        from loadtests.bench import main as bench_main
+
+        return bench_main(args)
+
+    from loadtests.bench import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=run_bench)
+
     hardware = commands.add_parser("hardware", help="measure (once, cached) this machine's memory bandwidth and FLOP/s")
     add_hardware_arguments(hardware)
     hardware.set_defaults(func=run_hardware)
