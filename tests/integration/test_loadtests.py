@@ -1,0 +1,79 @@
+"""The locust user and the benchmark harness against the real server: short, bounded runs."""
+
+from __future__ import annotations
+
+import csv
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from support.servers import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[2]
+LOCUST = Path(sys.executable).parent / "locust"
+
+
+def run_locust(server: ServerProcess, prefix: Path, *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [
+            str(LOCUST), "-f", "loadtests/locustfile.py", "--headless", "--only-summary",
+            "-u", "3", "-r", "3", "-t", "12s", "--stop-timeout", "30", "--host", server.address,
+            "--max-tokens", "12", "--ignore-eos", "--csv", str(prefix), *extra,
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )  # fmt: skip
+
+
+def test_headless_locust_run_streams_without_failures(server: ServerProcess, tmp_path: Path) -> None:
+    result = run_locust(server, tmp_path / "run")
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    with (tmp_path / "run_stats.csv").open() as handle:
+        rows = {row["Name"]: row for row in csv.DictReader(handle)}
+    for name in ("TTFT (ms)", "TPOT (µs)", "E2E (ms)"):
+        assert int(rows[name]["Request Count"]) > 0, name
+        assert int(rows[name]["Failure Count"]) == 0, name
+    # Every request's 12 tokens are its response length.
+    assert float(rows["E2E (ms)"]["Average Content Size"]) == 12
+    # TPOT is in microseconds: a CPU decode step takes milliseconds, so it reads in the thousands.
+    assert float(rows["TPOT (µs)"]["Median Response Time"]) > 1000
+
+
+def test_quitting_gate_fails_the_run_when_p95_ttft_exceeds_its_bound(server: ServerProcess, tmp_path: Path) -> None:
+    result = run_locust(server, tmp_path / "gated", "--max-p95-ttft-ms", "0.001")
+    assert result.returncode == 1
+    assert "phasescope gate failed: p95 TTFT (ms)" in result.stdout + result.stderr
+
+
+def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    result = subprocess.run(
+        [
+            sys.executable, "-m", "server", "bench", "--address", server.address,
+            "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics",
+            "--concurrency", "1,2", "--requests", "3", "--warmup", "1", "--max-tokens", "8", "--output-dir", str(out),
+        ],
+        cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    assert [(p["load"], p["value"]) for p in report["points"]] == [("concurrency", 1.0), ("concurrency", 2.0)]
+    for point in report["points"]:
+        # vLLM bench-serve field names, and the raw per-request records.
+        for key in ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms",
+                    "p99_tpot_ms", "p90_itl_ms", "max_e2el_ms", "mean_tpot_ms", "std_ttft_ms"):  # fmt: skip
+            assert point[key] >= 0, key
+        assert point["completed"] == 3
+        assert point["errors"] == 0
+        assert point["total_output_tokens"] == 24
+        assert len(point["records"]) == 3
+        # The server's own view of the same window.
+        assert point["server_decode_tokens_per_second"] > 0
+        assert 0 <= point["server_decode_compute_idleness"] <= 1
+    assert set(report["formulas"]) >= {"ttft", "tpot", "itl", "e2el"}
+    for name in ("throughput.png", "pareto.png", "latency.png", "phases.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
