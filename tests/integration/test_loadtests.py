@@ -55,13 +55,15 @@ def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_pa
         [
             sys.executable, "-m", "server", "bench", "--address", server.address,
             "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics",
-            "--concurrency", "1,2", "--requests", "3", "--warmup", "1", "--max-tokens", "8", "--output-dir", str(out),
+            "--concurrency", "2", "--rates", "4", "--requests", "3", "--warmup", "1", "--max-tokens", "8",
+            "--output-dir", str(out),
         ],
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
-    assert [(p["load"], p["value"]) for p in report["points"]] == [("concurrency", 1.0), ("concurrency", 2.0)]
+    # A closed-loop point and a Poisson-arrival point.
+    assert [(p["load"], p["value"]) for p in report["points"]] == [("concurrency", 2.0), ("rate", 4.0)]
     for point in report["points"]:
         # vLLM bench-serve field names, and the raw per-request records.
         for key in ("request_throughput", "output_throughput", "total_token_throughput", "median_ttft_ms",
