@@ -22,7 +22,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
 
-from server.config import Settings
+from server.auth import BearerTokenInterceptor, load_tokens, server_credentials
+from server.config import Settings, env_auth_tokens
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
@@ -37,6 +38,7 @@ from telemetry.steps import RooflineTracker, StepForwarder
 logger = logging.getLogger(__name__)
 
 ENGINE_WATCH_INTERVAL_SECONDS = 1.0
+HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # gRPC allows 4 MiB requests by default; a context window of text fits easily.
 MAX_MESSAGE_BYTES = 16 * 2**20
 
@@ -89,7 +91,13 @@ class Server:
         if tracing is not None:
             observers.append(tracing.observer)
             interceptors.append(tracing.interceptor)
-        # Listed outermost first: the server span wraps the status mapping, so it sees the final status.
+        tokens = load_tokens(settings.auth_tokens_file, env_auth_tokens())
+        if tokens:
+            exempt = (HEALTH_SERVICE, reflection.SERVICE_NAME) if settings.auth_exempt_health else ()
+            interceptors.insert(0, BearerTokenInterceptor(tokens, exempt))
+            logger.info("bearer-token authentication on (%d tokens)%s", len(tokens), "; health open" if exempt else "")
+        # Listed outermost first: authentication, then the server span, which wraps the
+        # status mapping so it sees the final status.
         interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME,)))
         admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
         servicer = InferenceServicer(
@@ -110,12 +118,17 @@ class Server:
         self._grpc = server
         server.add_generic_rpc_handlers((inference_handler(servicer),))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection(
-            (SERVICE_NAME, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME),
-            server,
-        )
+        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-        self.grpc_port = server.add_insecure_port(f"{settings.host}:{settings.port}")
+        listen = f"{settings.host}:{settings.port}"
+        if settings.tls_cert_file:
+            credentials = server_credentials(settings.tls_cert_file, settings.tls_key_file, settings.tls_client_ca_file)
+            self.grpc_port = server.add_secure_port(listen, credentials)
+            logger.info(
+                "TLS on%s", " with client certificates required (mutual TLS)" if settings.tls_client_ca_file else ""
+            )
+        else:
+            self.grpc_port = server.add_insecure_port(listen)
         await server.start()
         metrics_server, metrics_thread = start_http_server(
             settings.metrics_port, addr=settings.effective_metrics_host, registry=self.registry

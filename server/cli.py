@@ -24,6 +24,21 @@ def _configure_logging(level: str) -> None:
     )
 
 
+def _credentials(args: argparse.Namespace) -> Any:
+    from pathlib import Path
+
+    from server.client import Credentials
+    from server.config import env_client_token
+
+    token = Path(args.token_file).read_text().strip() if args.token_file else env_client_token()
+    return Credentials(
+        root_certificates=Path(args.ca_file).read_bytes() if args.ca_file else None,
+        client_key=Path(args.client_key).read_bytes() if args.client_key else None,
+        client_certificate_chain=Path(args.client_cert).read_bytes() if args.client_cert else None,
+        token=token or None,
+    )
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     try:
         settings = settings_from(args)
@@ -81,7 +96,7 @@ def _cmd_generate(args: argparse.Namespace) -> int:
     else:
         request = build_request(prompt=args.text, **sampling)
     try:
-        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout, credentials=_credentials(args)) as client:
             last: pb.GenerateStreamResponse | None = None
             traceparent, trace_id = new_traceparent()
             for chunk in client.generate_stream(request, traceparent=traceparent):
@@ -108,7 +123,7 @@ def _cmd_tokenize(args: argparse.Namespace) -> int:
     from server.client import PhasescopeClient
 
     try:
-        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout, credentials=_credentials(args)) as client:
             ids = client.tokenize(chat=[("user", args.text)]) if args.chat else client.tokenize(text=args.text)
     except grpc.RpcError as exc:
         print(f"phasescope tokenize: {exc.code().name}: {exc.details()}", file=sys.stderr)
@@ -124,7 +139,7 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from server.client import PhasescopeClient
 
     try:
-        with PhasescopeClient(args.address, timeout_seconds=args.timeout) as client:
+        with PhasescopeClient(args.address, timeout_seconds=args.timeout, credentials=_credentials(args)) as client:
             print(f"health: {client.health()}")
             print(text_format.MessageToString(client.model_info()), end="")
     except grpc.RpcError as exc:
@@ -152,6 +167,12 @@ def build_parser() -> argparse.ArgumentParser:
         command = commands.add_parser(name, help=help_text)
         command.add_argument("--address", default=DEFAULT_ADDRESS, help=f"server address (default {DEFAULT_ADDRESS})")
         command.add_argument("--timeout", type=float, default=None, help="deadline in seconds")
+        command.add_argument("--ca-file", help="PEM CA of the server's certificate: connect with TLS")
+        command.add_argument("--client-cert", help="PEM client certificate chain, for mutual TLS")
+        command.add_argument("--client-key", help="PEM key of --client-cert")
+        command.add_argument(
+            "--token-file", help="file holding a bearer token (default: the PHASESCOPE_TOKEN environment variable)"
+        )
         return command
 
     generate = client_command("generate", "stream an answer to the terminal and print its phase timings")

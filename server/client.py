@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import secrets
 from collections.abc import AsyncIterator, Iterator, Sequence
+from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
@@ -27,8 +28,33 @@ def new_traceparent() -> tuple[str, str]:
     return f"00-{trace_id}-{span_id}-01", trace_id
 
 
-def _metadata(traceparent: str | None) -> tuple[tuple[str, str], ...] | None:
-    return (("traceparent", traceparent),) if traceparent else None
+@dataclass(frozen=True)
+class Credentials:
+    """How to reach a server with TLS, mutual TLS and/or a bearer token."""
+
+    root_certificates: bytes | None = None
+    """PEM CA that signed the server's certificate; None for a plaintext channel."""
+    client_key: bytes | None = None
+    """PEM key and certificate chain of this client, for mutual TLS."""
+    client_certificate_chain: bytes | None = None
+    token: str | None = None
+    """Sent as `authorization: Bearer <token>`."""
+
+    @property
+    def secure(self) -> bool:
+        return self.root_certificates is not None
+
+    def channel_credentials(self) -> grpc.ChannelCredentials:
+        return grpc.ssl_channel_credentials(self.root_certificates, self.client_key, self.client_certificate_chain)
+
+
+def _metadata(traceparent: str | None, credentials: Credentials | None = None) -> tuple[tuple[str, str], ...] | None:
+    entries: list[tuple[str, str]] = []
+    if traceparent:
+        entries.append(("traceparent", traceparent))
+    if credentials is not None and credentials.token:
+        entries.append(("authorization", f"Bearer {credentials.token}"))
+    return tuple(entries) or None
 
 
 def build_request(
@@ -53,15 +79,21 @@ def build_request(
 class PhasescopeClient:
     """Blocking client; use as a context manager or call close()."""
 
-    def __init__(self, address: str, *, timeout_seconds: float | None = None) -> None:
-        self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str, *, timeout_seconds: float | None = None, credentials: Credentials | None = None
+    ) -> None:
+        self._credentials = credentials
+        if credentials is not None and credentials.secure:
+            self._channel = grpc.secure_channel(address, credentials.channel_credentials(), options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceStub(self._channel)
         # The health stubs declare no methods on HealthStub; calls go through Any.
         self._health: Any = health_pb2_grpc.HealthStub(self._channel)
         self._timeout = timeout_seconds
 
     def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
-        return self._stub.Generate(request, timeout=self._timeout, metadata=_metadata(traceparent))
+        return self._stub.Generate(request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials))
 
     def generate_stream(
         self, request: pb.GenerateRequest, *, traceparent: str | None = None
@@ -70,7 +102,9 @@ class PhasescopeClient:
 
         `traceparent` (see `new_traceparent`) makes the server's spans part of the caller's trace.
         """
-        return self._stub.GenerateStream(request, timeout=self._timeout, metadata=_metadata(traceparent))
+        return self._stub.GenerateStream(
+            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
+        )
 
     def tokenize(self, text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> list[int]:
         request = pb.TokenizeRequest()
@@ -78,14 +112,22 @@ class PhasescopeClient:
             request.text = text
         if chat is not None:
             request.chat.messages.extend(pb.ChatMessage(role=role, content=content) for role, content in chat)
-        return list(self._stub.Tokenize(request, timeout=self._timeout).token_ids)
+        return list(
+            self._stub.Tokenize(request, timeout=self._timeout, metadata=_metadata(None, self._credentials)).token_ids
+        )
 
     def model_info(self) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout)
+        return self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self._timeout, metadata=_metadata(None, self._credentials)
+        )
 
     def health(self, service: str = "") -> str:
         """ "SERVING", "NOT_SERVING", ... as the standard health service reports it."""
-        response = self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout)
+        response = self._health.Check(
+            health_pb2.HealthCheckRequest(service=service),
+            timeout=self._timeout,
+            metadata=_metadata(None, self._credentials),
+        )
         return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
 
     def close(self) -> None:
@@ -103,8 +145,15 @@ class PhasescopeClient:
 class AsyncPhasescopeClient:
     """asyncio client; use as an async context manager or await close()."""
 
-    def __init__(self, address: str, *, timeout_seconds: float | None = None) -> None:
-        self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+    def __init__(
+        self, address: str, *, timeout_seconds: float | None = None, credentials: Credentials | None = None
+    ) -> None:
+        self._credentials = credentials
+        if credentials is not None and credentials.secure:
+            channel_credentials = credentials.channel_credentials()
+            self._channel = grpc.aio.secure_channel(address, channel_credentials, options=_CHANNEL_OPTIONS)
+        else:
+            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
         self._stub = pb_grpc.InferenceStub(self._channel)
         # The health stubs declare no methods on HealthStub; calls go through Any.
         self._health: Any = health_pb2_grpc.HealthStub(self._channel)
@@ -112,14 +161,16 @@ class AsyncPhasescopeClient:
 
     async def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
         response: pb.GenerateResponse = await self._stub.Generate(
-            request, timeout=self._timeout, metadata=_metadata(traceparent)
+            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
         )
         return response
 
     async def generate_stream(
         self, request: pb.GenerateRequest, *, traceparent: str | None = None
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call: Any = self._stub.GenerateStream(request, timeout=self._timeout, metadata=_metadata(traceparent))
+        call: Any = self._stub.GenerateStream(
+            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
+        )
         try:
             async for chunk in call:
                 yield chunk
@@ -127,7 +178,9 @@ class AsyncPhasescopeClient:
             call.cancel()
 
     async def model_info(self) -> pb.ModelInfo:
-        info: pb.ModelInfo = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), timeout=self._timeout)
+        info: pb.ModelInfo = await self._stub.GetModelInfo(
+            pb.GetModelInfoRequest(), timeout=self._timeout, metadata=_metadata(None, self._credentials)
+        )
         return info
 
     async def health(self, service: str = "") -> str:

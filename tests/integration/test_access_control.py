@@ -1,0 +1,99 @@
+"""Mutual TLS and bearer tokens on a real server: strangers are refused, the right client is served."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import grpc
+import pytest
+
+from server.client import Credentials, PhasescopeClient, build_request
+from support.certs import CertificateAuthority
+from support.servers import ServerProcess
+
+TOKEN = "integration-token-3f9a"
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    directory = tmp_path_factory.mktemp("pki")
+    ca = CertificateAuthority(directory, "phasescope-test-ca")
+    rogue = CertificateAuthority(directory, "rogue-ca")
+    server = ca.issue("server", server=True)
+    client = ca.issue("client", server=False)
+    stranger = rogue.issue("stranger", server=False)
+    tokens = directory / "tokens"
+    tokens.write_text(f"# test tokens\n{TOKEN}\n")
+    return {
+        "ca": ca.pair.cert, "server_key": server.key, "server_cert": server.cert,
+        "client_key": client.key, "client_cert": client.cert,
+        "stranger_key": stranger.key, "stranger_cert": stranger.cert, "tokens": tokens,
+    }  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def secure_server(start_server: Callable[..., ServerProcess], pki: dict[str, Path]) -> ServerProcess:
+    server = start_server(
+        "--tls-cert-file", str(pki["server_cert"]), "--tls-key-file", str(pki["server_key"]),
+        "--tls-client-ca-file", str(pki["ca"]), "--auth-tokens-file", str(pki["tokens"]),
+        wait=False,
+    )  # fmt: skip
+    # The plaintext health probe of ServerProcess cannot talk TLS: wait with real credentials.
+    with PhasescopeClient(server.address, timeout_seconds=2, credentials=credentials(pki)) as client:
+        import time
+
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            assert server.process.poll() is None, server.log_tail()
+            try:
+                if client.health() == "SERVING":
+                    return server
+            except grpc.RpcError:
+                pass
+            time.sleep(0.5)
+    raise TimeoutError(server.log_tail())
+
+
+def credentials(pki: dict[str, Path], *, token: str | None = None, client: str | None = "client") -> Credentials:
+    return Credentials(
+        root_certificates=pki["ca"].read_bytes(),
+        client_key=pki[f"{client}_key"].read_bytes() if client else None,
+        client_certificate_chain=pki[f"{client}_cert"].read_bytes() if client else None,
+        token=token,
+    )
+
+
+def generate(server: ServerProcess, creds: Credentials | None) -> str | grpc.StatusCode:
+    with PhasescopeClient(server.address, timeout_seconds=30, credentials=creds) as client:
+        try:
+            return client.generate(build_request(prompt="hello", max_tokens=2, ignore_eos=True)).text
+        except grpc.RpcError as exc:
+            return exc.code()
+
+
+def test_client_with_certificate_and_token_is_served(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
+    result = generate(secure_server, credentials(pki, token=TOKEN))
+    assert isinstance(result, str)
+
+
+def test_missing_or_wrong_token_is_refused(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
+    assert generate(secure_server, credentials(pki)) is grpc.StatusCode.UNAUTHENTICATED
+    assert generate(secure_server, credentials(pki, token="guess")) is grpc.StatusCode.PERMISSION_DENIED
+
+
+def test_clients_without_the_right_certificate_cannot_connect(
+    secure_server: ServerProcess, pki: dict[str, Path]
+) -> None:
+    # No client certificate, one from another CA, or no TLS at all: the handshake fails.
+    assert generate(secure_server, credentials(pki, token=TOKEN, client=None)) is grpc.StatusCode.UNAVAILABLE
+    assert generate(secure_server, credentials(pki, token=TOKEN, client="stranger")) is grpc.StatusCode.UNAVAILABLE
+    assert generate(secure_server, Credentials(token=TOKEN)) is grpc.StatusCode.UNAVAILABLE
+
+
+def test_health_stays_open_for_probes_without_a_token(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
+    with PhasescopeClient(secure_server.address, timeout_seconds=10, credentials=credentials(pki)) as client:
+        assert client.health() == "SERVING"
+        with pytest.raises(grpc.RpcError) as caught:
+            client.model_info()
+    assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
