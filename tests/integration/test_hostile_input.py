@@ -1,0 +1,177 @@
+"""Hostile input: a catalogue of malformed requests, each with its precise status, and a property-based fuzz.
+
+After all of it the server is healthy and the engine holds no request.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import grpc
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from phasescope.v1 import inference_pb2 as pb
+from server.client import PhasescopeClient, build_request
+from support.servers import ServerProcess
+
+MAX_MODEL_LEN = 2048  # conftest BASE_ARGS
+VOCAB = 49152
+INVALID = grpc.StatusCode.INVALID_ARGUMENT
+
+
+def raw(server: ServerProcess, data: bytes, method: str = "Generate") -> grpc.StatusCode:
+    with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 * 2**20)]) as channel:
+        call = channel.unary_unary(
+            f"/phasescope.v1.Inference/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
+        )
+        try:
+            call(data, timeout=60)
+        except grpc.RpcError as exc:
+            return exc.code()
+    return grpc.StatusCode.OK
+
+
+def field(number: int, wire_type: int) -> bytes:
+    return bytes([(number << 3) | wire_type])
+
+
+def varint(value: int) -> bytes:
+    value &= (1 << 64) - 1
+    out = bytearray()
+    while True:
+        byte, value = value & 0x7F, value >> 7
+        out.append(byte | (0x80 if value else 0))
+        if not value:
+            return bytes(out)
+
+
+def length_delimited(number: int, payload: bytes) -> bytes:
+    return field(number, 2) + varint(len(payload)) + payload
+
+
+HOSTILE_RAW: dict[str, tuple[bytes, grpc.StatusCode]] = {
+    "prompt sent as a varint (wrong wire type)": (field(2, 0) + varint(7), INVALID),
+    "truncated length prefix": (field(2, 2) + varint(100) + b"abc", INVALID),
+    "garbage bytes": (b"\xff" * 16, INVALID),
+    "prompt and token ids together": (
+        length_delimited(2, b"hi") + length_delimited(4, field(1, 0) + varint(5)), INVALID
+    ),
+    "invalid UTF-8 in the prompt": (length_delimited(2, b"\xc3\x28 bad"), INVALID),
+    "invalid UTF-8 in a stop string": (
+        length_delimited(2, b"hi") + length_delimited(5, length_delimited(7, b"\xff\xfe")), INVALID
+    ),
+    "negative token id (varint -1 as uint32)": (length_delimited(4, field(1, 0) + varint(-1)), INVALID),
+    "message beyond the 16 MiB maximum": (length_delimited(2, b"a" * (17 * 2**20)), grpc.StatusCode.RESOURCE_EXHAUSTED),
+    "empty message": (b"", INVALID),
+}  # fmt: skip
+
+HOSTILE_TYPED: dict[str, pb.GenerateRequest] = {
+    "empty chat": pb.GenerateRequest(chat=pb.Chat()),
+    "chat with an unknown role": build_request(chat=[("user", "hi"), ("root", "obey")], max_tokens=2),
+    "chat with an empty role": build_request(chat=[("", "hi")], max_tokens=2),
+    "enormous token id": build_request(token_ids=[2**32 - 1], max_tokens=2),
+    "token id one past the vocabulary": build_request(token_ids=[VOCAB], max_tokens=2),
+    "prompt one past the context limit": build_request(token_ids=[42] * MAX_MODEL_LEN, max_tokens=1),
+    "prompt far past the context limit": build_request(prompt="word " * 20_000, max_tokens=1),
+    "absurd max_tokens": build_request(prompt="hi", max_tokens=2**32 - 1),
+    "max_tokens one past the room left": build_request(token_ids=[42] * 100, max_tokens=MAX_MODEL_LEN - 99),
+    "infinite temperature": build_request(prompt="hi", temperature=math.inf, max_tokens=2),
+    "NaN top_p": build_request(prompt="hi", top_p=math.nan, max_tokens=2),
+    "negative top_p": build_request(prompt="hi", top_p=-0.5, max_tokens=2),
+    "min_p above one": build_request(prompt="hi", min_p=1.5, max_tokens=2),
+    "negative repetition penalty": build_request(prompt="hi", repetition_penalty=-1.0, max_tokens=2),
+    "presence penalty out of range": build_request(prompt="hi", presence_penalty=3.0, max_tokens=2),
+    "NaN frequency penalty": build_request(prompt="hi", frequency_penalty=math.nan, max_tokens=2),
+    "huge stop list": build_request(prompt="hi", stop=[f"s{i}" for i in range(10_000)], max_tokens=2),
+    "stop string of a megabyte": build_request(prompt="hi", stop=["x" * 2**20], max_tokens=2),
+    "empty stop string": build_request(prompt="hi", stop=[""], max_tokens=2),
+    "huge stop-token list": build_request(prompt="hi", stop_token_ids=list(range(5000)), max_tokens=2),
+    "request id of 10 kB": build_request(prompt="hi", request_id="r" * 10_000, max_tokens=2),
+    "top_k below -1": build_request(prompt="hi", top_k=-100, max_tokens=2),
+}
+
+
+@pytest.mark.parametrize("case", HOSTILE_RAW)
+def test_hostile_bytes_get_a_precise_status(server: ServerProcess, case: str) -> None:
+    data, expected = HOSTILE_RAW[case]
+    assert raw(server, data) is expected
+
+
+@pytest.mark.parametrize("case", HOSTILE_TYPED)
+def test_hostile_requests_are_invalid_argument(client: PhasescopeClient, case: str) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate(HOSTILE_TYPED[case])
+    assert caught.value.code() is INVALID, caught.value.details()
+
+
+def test_prompt_exactly_at_the_limit_is_served(client: PhasescopeClient) -> None:
+    # 2047 prompt tokens leave room for exactly one output token.
+    response = client.generate(build_request(token_ids=[42] * (MAX_MODEL_LEN - 1), max_tokens=1))
+    assert response.usage.completion_tokens == 1
+
+
+finite_or_not = st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32), st.none())
+fuzzed_requests = st.builds(
+    lambda kind, text, ids, max_tokens, temperature, top_p, top_k, min_p, stop, stop_ids, penalty: (
+        kind, text, ids, max_tokens, temperature, top_p, top_k, min_p, stop, stop_ids, penalty
+    ),
+    st.sampled_from(["prompt", "chat", "token_ids", "none"]),
+    st.text(max_size=60),
+    st.lists(st.integers(min_value=0, max_value=70_000), max_size=12),
+    st.one_of(st.integers(min_value=0, max_value=3), st.integers(min_value=3000, max_value=2**32 - 1)),
+    finite_or_not, finite_or_not,
+    st.one_of(st.integers(min_value=-2**31, max_value=2**31 - 1), st.none()),
+    finite_or_not,
+    st.lists(st.text(max_size=8), max_size=4),
+    st.lists(st.integers(min_value=0, max_value=2**32 - 1), max_size=4),
+    finite_or_not,
+)  # fmt: skip
+
+
+def to_request(values: tuple[object, ...]) -> pb.GenerateRequest:
+    kind, text, ids, max_tokens, temperature, top_p, top_k, min_p, stop, stop_ids, penalty = values
+    sampling: dict[str, object] = {"max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_ids}
+    for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
+                        ("repetition_penalty", penalty)):  # fmt: skip
+        if value is not None:
+            sampling[name] = value
+    if kind == "prompt":
+        return build_request(prompt=str(text), **sampling)
+    if kind == "chat":
+        return build_request(chat=[("user", str(text))], **sampling)
+    if kind == "token_ids":
+        return build_request(token_ids=list(ids), **sampling)  # type: ignore[call-overload]
+    return build_request(**sampling)
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(values=fuzzed_requests)
+def test_fuzzed_requests_never_fail_internally(client: PhasescopeClient, values: tuple[object, ...]) -> None:
+    outcome = status_of(client, to_request(values))
+    assert outcome in {grpc.StatusCode.OK, INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED}, outcome
+
+
+def status_of(client: PhasescopeClient, request: pb.GenerateRequest) -> grpc.StatusCode:
+    try:
+        client.generate(request)
+    except grpc.RpcError as exc:
+        return exc.code()  # type: ignore[no-any-return]  # grpc's RpcError is untyped
+    return grpc.StatusCode.OK
+
+
+def test_after_all_of_it_the_server_is_healthy_and_the_engine_idle(
+    server: ServerProcess, client: PhasescopeClient
+) -> None:
+    assert server.process.poll() is None
+    assert server.health() == "SERVING"
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and server.sample_sum("phasescope_engine_requests", state="running") > 0:
+        time.sleep(0.1)
+    assert server.sample_sum("phasescope_engine_requests", state="running") == 0
+    assert server.sample_sum("phasescope_engine_requests", state="waiting") == 0
+    assert server.sample_sum("phasescope_requests_in_flight") == 0
+    answer = client.generate(build_request(chat=[("user", "What is the capital of France?")], temperature=0.0))
+    assert "Paris" in answer.text
