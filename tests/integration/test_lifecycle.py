@@ -87,6 +87,44 @@ def test_requests_beyond_capacity_are_resource_exhausted(small_server: ServerPro
         assert client.generate(build_request(prompt="Now?", max_tokens=2)).usage.completion_tokens == 2
 
 
+def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(small_server: ServerProcess) -> None:
+    # Capacity is 2 (one running, one waiting); offer 12 at once, three times over.
+    rejected_before = small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded")
+    outcomes: list[str] = []
+    lock = threading.Lock()
+
+    def offer(index: int) -> None:
+        with small_server.client() as client:
+            try:
+                response = client.generate(build_request(prompt=f"Load {index}:", max_tokens=6, ignore_eos=True))
+                result = f"ok:{response.usage.completion_tokens}"
+            except grpc.RpcError as exc:
+                result = exc.code().name
+        with lock:
+            outcomes.append(result)
+
+    for _ in range(3):
+        threads = [threading.Thread(target=offer, args=(i,)) for i in range(12)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(120)
+    admitted = [o for o in outcomes if o.startswith("ok:")]
+    refused = [o for o in outcomes if o == "RESOURCE_EXHAUSTED"]
+    # Everything is either served in full or refused as overload: nothing else.
+    assert len(admitted) + len(refused) == 36
+    assert all(o == "ok:6" for o in admitted)
+    assert len(refused) >= 3 * (12 - 2) - 6  # a few slots free up while a burst is still arriving
+    assert small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded") - rejected_before == len(
+        refused
+    )
+    # Once the load drops it serves normally.
+    with small_server.client() as client:
+        assert (
+            client.generate(build_request(prompt="Calm:", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
+        )
+
+
 def test_sigterm_drains_in_flight_requests_then_stops(small_server: ServerProcess) -> None:
     in_flight = Stream(small_server, build_request(prompt="A long answer please.", max_tokens=60, ignore_eos=True))
     assert in_flight.first_chunk.wait(60)
