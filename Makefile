@@ -8,7 +8,7 @@ STAMP := $(VENV)/.phasescope-setup
 PROTO_DIR := proto
 PROTO_FILES := $(wildcard $(PROTO_DIR)/phasescope/v1/*.proto)
 
-.PHONY: setup serve test lint typecheck unit integration loadtest proto clean-venv
+.PHONY: setup serve test lint typecheck unit integration loadtest soak proto clean-venv
 
 setup: $(STAMP)
 
@@ -26,6 +26,10 @@ test: setup
 # Headless locust against a server it starts (or ADDRESS=host:port): USERS, RATE, TIME, MAX_TOKENS, LOCUST_ARGS.
 loadtest: setup
 	bash scripts/loadtest.sh
+
+# Long locust run (SOAK_TIME, default 10m) with RSS and file descriptors at start and end.
+soak: setup
+	bash scripts/soak.sh
 
 lint: setup
 	$(BIN)/ruff check .

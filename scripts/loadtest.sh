@@ -34,10 +34,12 @@ if [[ -z "${ADDRESS:-}" ]]; then
         --max-model-len 2048 --kv-cache-gib 2 > "$RESULTS/server.log" 2>&1 &
     server_pid=$!
     for _ in $(seq 1 300); do
-        if "$BIN/phasescope" info --address "$ADDRESS" --timeout 2 2>/dev/null | grep -q "health: SERVING"; then break; fi
+        # grep reads to the end (no -q): an early exit would SIGPIPE the client and, with pipefail, fail the test.
+        if "$BIN/phasescope" info --address "$ADDRESS" --timeout 2 2>/dev/null | grep "health: SERVING" >/dev/null; then ready=1; break; fi
         kill -0 "$server_pid" 2>/dev/null || { echo "the server exited; see $RESULTS/server.log" >&2; exit 1; }
         sleep 1
     done
+    if [[ "${ready:-0}" != 1 ]]; then echo "the server did not become SERVING; see $RESULTS/server.log" >&2; exit 1; fi
 fi
 
 # shellcheck disable=SC2086  # LOCUST_ARGS is a list of flags on purpose
