@@ -302,6 +302,10 @@ def env_client_token() -> str:
     return os.environ.get("PHASESCOPE_TOKEN", "")
 
 
+def env_xdg_cache_home() -> str | None:
+    return os.environ.get("XDG_CACHE_HOME")
+
+
 def env_cache_dir() -> str | None:
     """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
     return os.environ.get("PHASESCOPE_CACHE_DIR")

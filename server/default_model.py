@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import logging
-import os
 import shutil
 import tempfile
 import time
@@ -32,12 +31,12 @@ class DefaultModelError(RuntimeError):
 
 def cache_root() -> Path:
     """`$PHASESCOPE_CACHE_DIR`, else `$XDG_CACHE_HOME/phasescope`, else `~/.cache/phasescope`."""
-    from server.config import env_cache_dir
+    from server.config import env_cache_dir, env_xdg_cache_home
 
     configured = env_cache_dir()
     if configured:
         return Path(configured)
-    xdg = os.environ.get("XDG_CACHE_HOME")
+    xdg = env_xdg_cache_home()
     return (Path(xdg) if xdg else Path.home() / ".cache") / "phasescope"
 
 

@@ -72,9 +72,6 @@ class Engine(Protocol):
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream the request's steps; closing the iterator aborts the engine request."""
 
-    def unfinished_requests(self) -> int:
-        """Requests the front end still tracks as unfinished in the engine."""
-
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""
 

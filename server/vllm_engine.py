@@ -225,9 +225,6 @@ class VllmEngine:
         except VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
 
-    def unfinished_requests(self) -> int:
-        return int(self._llm.get_num_unfinished_requests())
-
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""
         prompt = self.tokenize(ParsedInput("prompt", prompt="Hello"))
