@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable, Iterator
 
 import grpc
+import psutil
 import pytest
 
 from phasescope.v1 import inference_pb2 as pb
@@ -84,13 +85,15 @@ def test_requests_beyond_capacity_are_resource_exhausted(small_server: ServerPro
     assert waiting.chunks[-1].usage.completion_tokens == 4
     # Capacity is back.
     with small_server.client() as client:
-        assert client.generate(build_request(prompt="Now?", max_tokens=2)).usage.completion_tokens == 2
+        assert client.generate(build_request(prompt="Now?", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
 
 
 def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(small_server: ServerProcess) -> None:
     # Capacity is 2 (one running, one waiting); offer 12 at once, three times over.
     rejected_before = small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded")
+    rss_before = psutil.Process(small_server.process.pid).memory_info().rss
     outcomes: list[str] = []
+    timings: list[pb.Timings] = []
     lock = threading.Lock()
 
     def offer(index: int) -> None:
@@ -98,6 +101,8 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
             try:
                 response = client.generate(build_request(prompt=f"Load {index}:", max_tokens=6, ignore_eos=True))
                 result = f"ok:{response.usage.completion_tokens}"
+                with lock:
+                    timings.append(response.timings)
             except grpc.RpcError as exc:
                 result = exc.code().name
         with lock:
@@ -118,6 +123,12 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
     assert small_server.sample_sum("phasescope_requests_rejected_total", reason="overloaded") - rejected_before == len(
         refused
     )
+    # Admitted latency stays bounded however much is offered: with one running and one
+    # waiting slot, no admitted request queues longer than about one request's service time.
+    service = sorted(t.prefill_seconds + t.decode_seconds for t in timings)
+    assert max(t.queue_seconds for t in timings) <= 3 * service[-1]
+    # Refusing the excess keeps the process's memory flat.
+    assert psutil.Process(small_server.process.pid).memory_info().rss - rss_before < 200 * 2**20
     # Once the load drops it serves normally.
     with small_server.client() as client:
         assert (
