@@ -41,6 +41,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
+from telemetry.exposition import Samples, fetch_samples, sum_samples
+
 FORMULAS = {
     "ttft": "TTFT = first streamed token − send",
     "tpot": "TPOT = (E2E − TTFT) ÷ (output tokens − 1), per request",
@@ -137,6 +139,7 @@ class PhasescopeTarget:
         from phasescope.v1 import inference_pb2_grpc as pb_grpc
 
         self.name = "phasescope"
+        self.address = address
         self.metrics_url = metrics_url
         self._pid = pid
         self._channel = grpc.aio.insecure_channel(address)
@@ -314,47 +317,25 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     return summary
 
 
-def scrape(url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    from prometheus_client.parser import text_string_to_metric_families
-
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (s.name, frozenset(s.labels.items())): s.value for f in text_string_to_metric_families(text) for s in f.samples
-    }
-
-
-def _sum(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
-
-
-def server_view(before: dict[Any, float], after: dict[Any, float], duration: float) -> dict[str, float]:
+def server_view(before: Samples, after: Samples, duration: float) -> dict[str, float]:
     """The server's own account of the same window, from counter deltas."""
+
+    def delta(name: str, **labels: str) -> float:
+        return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
+
     view: dict[str, float] = {}
     for phase in ("queue", "prefill", "decode"):
-        count = _sum(after, "phasescope_request_phase_seconds_count", phase=phase) - _sum(
-            before, "phasescope_request_phase_seconds_count", phase=phase
-        )
-        total = _sum(after, "phasescope_request_phase_seconds_sum", phase=phase) - _sum(
-            before, "phasescope_request_phase_seconds_sum", phase=phase
-        )
+        count = delta("phasescope_request_phase_seconds_count", phase=phase)
+        total = delta("phasescope_request_phase_seconds_sum", phase=phase)
         view[f"server_mean_{phase}_ms"] = total / count * 1e3 if count else 0.0
-    peak_bandwidth = _sum(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
-    peak_flops = _sum(after, "phasescope_hardware_peak_flops")
+    peak_bandwidth = sum_samples(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
+    peak_flops = sum_samples(after, "phasescope_hardware_peak_flops")
+    # Over the point's wall time, per engine average (peaks are per engine).
+    engines = max(1, len({dict(ls).get("engine") for (n, ls) in after if n == "phasescope_engine_requests"}))
     for phase in ("prefill", "decode"):
-        tokens = _sum(after, "phasescope_tokens_total", phase=phase) - _sum(
-            before, "phasescope_tokens_total", phase=phase
-        )
-        view[f"server_{phase}_tokens_per_second"] = tokens / duration
-        moved = _sum(after, "phasescope_model_bytes_read_total", phase=phase) - _sum(
-            before, "phasescope_model_bytes_read_total", phase=phase
-        )
-        flops = _sum(after, "phasescope_model_flops_total", phase=phase) - _sum(
-            before, "phasescope_model_flops_total", phase=phase
-        )
-        # Over the point's wall time, per engine average (peaks are per engine).
-        engines = max(1, len({dict(ls).get("engine") for (n, ls) in after if n == "phasescope_engine_requests"}))
+        view[f"server_{phase}_tokens_per_second"] = delta("phasescope_tokens_total", phase=phase) / duration
+        moved = delta("phasescope_model_bytes_read_total", phase=phase)
+        flops = delta("phasescope_model_flops_total", phase=phase)
         view[f"server_{phase}_bandwidth_saturation"] = (
             moved / duration / engines / peak_bandwidth if peak_bandwidth else 0
         )
@@ -415,7 +396,9 @@ class EngineSettings:
     max_num_seqs: int
 
 
-def start_phasescope(settings: EngineSettings, out: Path) -> tuple[ManagedProcess, PhasescopeTarget]:
+def start_phasescope(
+    settings: EngineSettings, log: Path, extra_args: tuple[str, ...] = ()
+) -> tuple[ManagedProcess, PhasescopeTarget]:
     from server.client import PhasescopeClient
 
     port, metrics_port = free_port(), free_port()
@@ -424,9 +407,9 @@ def start_phasescope(settings: EngineSettings, out: Path) -> tuple[ManagedProces
         "--served-model-name", settings.served_name, "--dtype", settings.dtype,
         "--max-model-len", str(settings.max_model_len), "--kv-cache-gib", str(settings.kv_cache_gib),
         "--max-concurrent-requests", str(settings.max_num_seqs), "--max-queued-requests", "4096",
-        "--port", str(port), "--metrics-port", str(metrics_port),
+        "--port", str(port), "--metrics-port", str(metrics_port), *extra_args,
     ]  # fmt: skip
-    managed = ManagedProcess(command, out / "phasescope.log")
+    managed = ManagedProcess(command, log)
     address = f"127.0.0.1:{port}"
 
     def serving() -> bool:
@@ -483,7 +466,7 @@ async def sweep(
                 target, warmup, concurrency=min(len(warmup), 4), rate=None, seed=args.seed, progress=lambda: None
             )
         metrics_url = getattr(target, "metrics_url", None)
-        before = scrape(metrics_url) if metrics_url else {}
+        before = fetch_samples(metrics_url) if metrics_url else {}
         cpu_before = target.frontend_cpu_seconds()
         with tqdm(total=len(measured), desc=f"{target.name} {kind}={value:g}", unit="req", leave=False) as bar:
             records, duration = await run_point(
@@ -499,7 +482,7 @@ async def sweep(
                 summary["total_output_tokens"] / 1e3
             )
         if metrics_url:
-            point.update(server_view(before, scrape(metrics_url), duration))
+            point.update(server_view(before, fetch_samples(metrics_url), duration))
         point["records"] = [asdict(r) for r in records]
         results.append(point)
         print(
@@ -508,6 +491,13 @@ async def sweep(
             f"errors {summary['errors']}",
             flush=True,
         )
+
+
+def _save(plt: Any, figure: Any, path: Path) -> Path:
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+    return path
 
 
 def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
@@ -527,10 +517,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     axes.set_title("Throughput vs load")
     axes.legend()
     axes.grid(alpha=0.3)
-    files.append(out / "throughput.png")
-    figure.tight_layout()
-    figure.savefig(files[-1])
-    plt.close(figure)
+    files.append(_save(plt, figure, out / "throughput.png"))
 
     figure, axes = plt.subplots(figsize=(7, 4.5), dpi=100)
     for name in targets:
@@ -545,10 +532,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
     axes.set_title("Per-user vs total throughput (Pareto)")
     axes.legend()
     axes.grid(alpha=0.3)
-    files.append(out / "pareto.png")
-    figure.tight_layout()
-    figure.savefig(files[-1])
-    plt.close(figure)
+    files.append(_save(plt, figure, out / "pareto.png"))
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4.5), dpi=100)
     for name in targets:
@@ -564,10 +548,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
         axes.set_ylabel("ms")
         axes.grid(alpha=0.3)
         axes.legend(fontsize=7)
-    files.append(out / "latency.png")
-    figure.tight_layout()
-    figure.savefig(files[-1])
-    plt.close(figure)
+    files.append(_save(plt, figure, out / "latency.png"))
 
     rows = [r for r in results if "server_mean_queue_ms" in r]
     if rows:
@@ -582,10 +563,7 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
         axes.set_ylabel("mean ms per request (server's engine timestamps)")
         axes.set_title("Phase breakdown (phasescope)")
         axes.legend()
-        files.append(out / "phases.png")
-        figure.tight_layout()
-        figure.savefig(files[-1])
-        plt.close(figure)
+        files.append(_save(plt, figure, out / "phases.png"))
     return files
 
 
@@ -665,7 +643,7 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
     if args.address:
         await sweep(PhasescopeTarget(args.address, args.metrics_url, None), points, args, results)
     else:
-        managed, ours = start_phasescope(settings, args.output_dir)
+        managed, ours = start_phasescope(settings, args.output_dir / "phasescope.log")
         try:
             await sweep(ours, points, args, results)
         finally:

@@ -18,47 +18,23 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import os
-import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
 import grpc
-from prometheus_client.parser import text_string_to_metric_families
 
+from loadtests.bench import EngineSettings, start_phasescope
 from server.client import PhasescopeClient, build_request
+from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from telemetry.exposition import fetch_samples, sum_samples
 from telemetry.hardware import HardwarePeaks
 from telemetry.model_cost import model_cost_from_folder
 from telemetry.roofline import decode_step
 
 PROMPT = "Write a long story about a lighthouse keeper."
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
-
-
-def scrape(metrics_url: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    return {
-        (sample.name, frozenset(sample.labels.items())): sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-    }
-
-
-def value(samples: dict[tuple[str, frozenset[tuple[str, str]]], float], name: str, **labels: str) -> float:
-    wanted = set(labels.items())
-    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
 
 
 class Streams:
@@ -98,62 +74,31 @@ def measure_batch(address: str, metrics_url: str, batch: int, window: float, max
     try:
         streams.first.wait(600)
         time.sleep(window + 1.0)
-        samples = scrape(metrics_url)
+        samples = fetch_samples(metrics_url)
         context = 0.0
         if streams.received:
             context = sum(streams.received) / len(streams.received)
     finally:
         streams.stop()
     deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and value(scrape(metrics_url), "phasescope_requests_in_flight") > 0:
+    while time.monotonic() < deadline and sum_samples(fetch_samples(metrics_url), "phasescope_requests_in_flight") > 0:
         time.sleep(0.2)
     return {
         "batch_size": batch,
         "mean_tokens_generated_per_stream": context,
-        "decode_tokens_per_second": value(samples, "phasescope_tokens_per_second", phase="decode"),
-        "prefill_tokens_per_second": value(samples, "phasescope_tokens_per_second", phase="prefill"),
-        "memory_bandwidth_utilization": value(samples, "phasescope_memory_bandwidth_utilization_ratio", phase="decode"),
-        "compute_utilization": value(samples, "phasescope_compute_utilization_ratio", phase="decode"),
-        "arithmetic_intensity_flops_per_byte": value(
+        "decode_tokens_per_second": sum_samples(samples, "phasescope_tokens_per_second", phase="decode"),
+        "prefill_tokens_per_second": sum_samples(samples, "phasescope_tokens_per_second", phase="prefill"),
+        "memory_bandwidth_utilization": sum_samples(
+            samples, "phasescope_memory_bandwidth_utilization_ratio", phase="decode"
+        ),
+        "compute_utilization": sum_samples(samples, "phasescope_compute_utilization_ratio", phase="decode"),
+        "arithmetic_intensity_flops_per_byte": sum_samples(
             samples, "phasescope_arithmetic_intensity_flops_per_byte", phase="decode"
         ),
-        "decode_batch_size_seen": value(samples, "phasescope_decode_batch_size"),
-        "cost_model_agreement_flops": value(samples, "phasescope_cost_model_agreement_ratio", quantity="flops"),
-        "cost_model_agreement_bytes": value(samples, "phasescope_cost_model_agreement_ratio", quantity="bytes"),
+        "decode_batch_size_seen": sum_samples(samples, "phasescope_decode_batch_size"),
+        "cost_model_agreement_flops": sum_samples(samples, "phasescope_cost_model_agreement_ratio", quantity="flops"),
+        "cost_model_agreement_bytes": sum_samples(samples, "phasescope_cost_model_agreement_ratio", quantity="bytes"),
     }
-
-
-def start_server(args: argparse.Namespace) -> tuple[subprocess.Popen[bytes], str, str]:
-    port, metrics_port = free_port(), free_port()
-    command = [
-        sys.executable, "-m", "server", "serve", "--enforce-eager", "--kv-cache-gib", str(args.kv_cache_gib),
-        "--max-model-len", str(args.max_model_len), "--port", str(port), "--metrics-port", str(metrics_port),
-        "--metrics-window-seconds", str(args.window), "--max-concurrent-requests", str(max(args.batch_sizes)),
-    ]  # fmt: skip
-    if args.dtype:
-        command += ["--dtype", args.dtype]
-    log = open(args.server_log, "wb")  # noqa: SIM115  # kept open for the server's lifetime
-    process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
-    address = f"127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    print(f"starting a server ({' '.join(command[3:])}); log: {args.server_log}", file=sys.stderr)
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"the server exited with {process.returncode}; see {args.server_log}")
-        with contextlib.suppress(grpc.RpcError), PhasescopeClient(address, timeout_seconds=2) as client:
-            if client.health() == "SERVING":
-                return process, address, f"http://127.0.0.1:{metrics_port}/metrics"
-        time.sleep(1)
-    raise SystemExit("the server did not become SERVING within 600 s")
-
-
-def stop_server(process: subprocess.Popen[bytes]) -> None:
-    process.send_signal(signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(timeout=90)
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
 
 
 def predictions(address: str, metrics_url: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
@@ -206,13 +151,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     args.output.parent.mkdir(parents=True, exist_ok=True)
     args.server_log.parent.mkdir(parents=True, exist_ok=True)
-    process = None
+    managed = None
     if args.address:
         if not args.metrics_url:
             parser.error("--address needs --metrics-url")
         address, metrics_url = args.address, args.metrics_url
     else:
-        process, address, metrics_url = start_server(args)
+        model = str(ensure_default_model())
+        settings = EngineSettings(
+            model,
+            DEFAULT_MODEL_NAME,
+            args.dtype or "auto",
+            args.max_model_len,
+            args.kv_cache_gib,
+            max(args.batch_sizes),
+        )
+        print(f"starting a server; log: {args.server_log}", file=sys.stderr)
+        managed, target = start_phasescope(settings, args.server_log, ("--metrics-window-seconds", str(args.window)))
+        address, metrics_url = target.address, target.metrics_url or ""
     try:
         rows = []
         for batch in args.batch_sizes:
@@ -220,8 +176,8 @@ def main(argv: list[str] | None = None) -> int:
             rows.append(measure_batch(address, metrics_url, batch, args.window, args.max_tokens))
         setup = predictions(address, metrics_url, rows)
     finally:
-        if process is not None:
-            stop_server(process)
+        if managed is not None:
+            managed.stop()
     args.output.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2) + "\n")
     print(
         f"{setup['model']} {setup['dtype']} on {setup['device']}; peaks ({setup['peak_source']}): "

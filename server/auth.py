@@ -16,6 +16,8 @@ from typing import Any
 
 import grpc
 
+from server.interceptors import with_behaviour
+
 logger = logging.getLogger(__name__)
 
 _Context = grpc.aio.ServicerContext[Any, Any]
@@ -83,23 +85,8 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
             await context.abort(code, details)
             yield  # pragma: no cover  # makes this an async generator, as the stream handler must be
 
-        if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                refuse_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        if handler.stream_stream is not None:
-            return grpc.stream_stream_rpc_method_handler(
-                refuse_stream,
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
-        return grpc.unary_unary_rpc_method_handler(
-            refuse_unary,
-            request_deserializer=handler.request_deserializer,
-            response_serializer=handler.response_serializer,
-        )
+        streaming = handler.unary_stream is not None or handler.stream_stream is not None
+        return with_behaviour(handler, refuse_stream if streaming else refuse_unary)
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str) -> grpc.ServerCredentials:

@@ -49,18 +49,25 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         if handler is None or not handler_call_details.method.startswith(self._prefixes):
             return handler
         if handler.unary_unary is not None:
-            return grpc.unary_unary_rpc_method_handler(
-                _map_unary(handler.unary_unary),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return with_behaviour(handler, _map_unary(handler.unary_unary))
         if handler.unary_stream is not None:
-            return grpc.unary_stream_rpc_method_handler(
-                _map_stream(handler.unary_stream),
-                request_deserializer=handler.request_deserializer,
-                response_serializer=handler.response_serializer,
-            )
+            return with_behaviour(handler, _map_stream(handler.unary_stream))
         return handler
+
+
+def with_behaviour(handler: grpc.RpcMethodHandler[Any, Any], behaviour: Any) -> grpc.RpcMethodHandler[Any, Any]:
+    """A handler of the same kind and (de)serialisers as `handler` that runs `behaviour` instead."""
+    make: Any = grpc.unary_unary_rpc_method_handler
+    if handler.unary_stream is not None:
+        make = grpc.unary_stream_rpc_method_handler
+    elif handler.stream_stream is not None:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.stream_unary is not None:
+        make = grpc.stream_unary_rpc_method_handler
+    new: grpc.RpcMethodHandler[Any, Any] = make(
+        behaviour, request_deserializer=handler.request_deserializer, response_serializer=handler.response_serializer
+    )
+    return new
 
 
 def _map_unary(behaviour: Any) -> _UnaryBehaviour:

@@ -4,32 +4,13 @@ from __future__ import annotations
 
 import logging
 import os
-from pathlib import Path
 
 from server.config import Settings, env_cpu_threads_bind, env_reserved_cpus
 from server.default_model import cache_root
 from telemetry.hardware import HardwarePeaks, lookup_device
-from telemetry.probe import cached_measure
+from telemetry.probe import cached_measure, physical_cores
 
 logger = logging.getLogger(__name__)
-
-
-def _physical_cores(cpus: set[int]) -> int:
-    """Distinct (package, core) pairs among `cpus`: SMT siblings count once."""
-    cores: set[tuple[str, str]] = set()
-    processor = package = ""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = (part.strip() for part in line.partition(":"))
-            if key == "processor":
-                processor = value
-            elif key == "physical id":
-                package = value
-            elif key == "core id" and processor.isdigit() and int(processor) in cpus:
-                cores.add((package, value))
-    except OSError:
-        return len(cpus)
-    return len(cores) or len(cpus)
 
 
 def engine_threads(settings: Settings | None = None) -> int:
@@ -57,7 +38,7 @@ def engine_threads(settings: Settings | None = None) -> int:
     reserved = env_reserved_cpus()
     if reserved is None:
         reserved = workers
-    return max(1, (_physical_cores(cpus) - reserved) // workers)
+    return max(1, (physical_cores(cpus) - reserved) // workers)
 
 
 def resolve_peaks(settings: Settings, device_name: str, on_cpu: bool, dtype: str) -> HardwarePeaks:

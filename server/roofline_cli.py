@@ -5,12 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import urllib.request
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
+from telemetry.exposition import fetch_samples
 from telemetry.hardware import DATASHEET, HardwarePeaks, lookup_device
 from telemetry.model_cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from telemetry.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
@@ -54,20 +52,18 @@ def _cost_and_peaks(args: argparse.Namespace) -> tuple[ModelCost, HardwarePeaks]
 
 def live_points(metrics_url: str) -> list[dict[str, Any]]:
     """Operating points (intensity, FLOP/s) per engine and phase from a running server's /metrics."""
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
     intensity: dict[tuple[str, str], float] = {}
     utilization: dict[tuple[str, str], float] = {}
     peak_flops = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            key = (sample.labels.get("engine", ""), sample.labels.get("phase", ""))
-            if sample.name == "phasescope_arithmetic_intensity_flops_per_byte":
-                intensity[key] = sample.value
-            elif sample.name == "phasescope_compute_utilization_ratio":
-                utilization[key] = sample.value
-            elif sample.name == "phasescope_hardware_peak_flops":
-                peak_flops = sample.value
+    for (name, label_set), value in fetch_samples(metrics_url).items():
+        labels = dict(label_set)
+        key = (labels.get("engine", ""), labels.get("phase", ""))
+        if name == "phasescope_arithmetic_intensity_flops_per_byte":
+            intensity[key] = value
+        elif name == "phasescope_compute_utilization_ratio":
+            utilization[key] = value
+        elif name == "phasescope_hardware_peak_flops":
+            peak_flops = value
     return [
         {
             "engine": engine,

@@ -48,14 +48,34 @@ class ProbeResult:
         )
 
 
-def cpu_name() -> str:
+def _cpuinfo() -> list[dict[str, str]]:
+    """One record per logical CPU from /proc/cpuinfo; empty where there is none."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        pass
+        return []
+    records = []
+    for block in text.strip().split("\n\n"):
+        fields = (line.partition(":") for line in block.splitlines())
+        records.append({key.strip(): value.strip() for key, _, value in fields})
+    return records
+
+
+def cpu_name() -> str:
+    for record in _cpuinfo():
+        if "model name" in record:
+            return record["model name"]
     return platform.processor() or platform.machine()
+
+
+def physical_cores(cpus: set[int]) -> int:
+    """Distinct (package, core) pairs among the logical CPUs `cpus`: SMT siblings count once."""
+    cores = {
+        (record.get("physical id", ""), record["core id"])
+        for record in _cpuinfo()
+        if record.get("processor", "").isdigit() and int(record["processor"]) in cpus and "core id" in record
+    }
+    return len(cores) or len(cpus)
 
 
 def _identity(device: str, dtype: str, threads: int) -> dict[str, Any]:

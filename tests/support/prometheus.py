@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import socket
 import subprocess
 import time
 import urllib.parse
@@ -15,21 +14,17 @@ from typing import Any
 
 import yaml
 
+from support.servers import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
-
-
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 class PrometheusServer:
     def __init__(self, workdir: Path, targets: list[str]) -> None:
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed: run `make setup`"
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},

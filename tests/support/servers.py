@@ -18,9 +18,9 @@ from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from prometheus_client.parser import text_string_to_metric_families
 
 from server.client import PhasescopeClient
+from telemetry.exposition import Samples, parse_samples, sum_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0
@@ -94,18 +94,13 @@ class ServerProcess:
         with urllib.request.urlopen(request, timeout=10) as response:
             return str(response.read().decode())
 
-    def samples(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+    def samples(self) -> Samples:
         """Every sample on /metrics, keyed by name and labels."""
-        values: dict[tuple[str, frozenset[tuple[str, str]]], float] = {}
-        for family in text_string_to_metric_families(self.metrics_text()):
-            for sample in family.samples:
-                values[(sample.name, frozenset(sample.labels.items()))] = sample.value
-        return values
+        return parse_samples(self.metrics_text())
 
     def sample_sum(self, name: str, **labels: str) -> float:
         """Sum of a series over every label set that includes `labels`."""
-        wanted = set(labels.items())
-        return sum(v for (n, ls), v in self.samples().items() if n == name and wanted <= ls)
+        return sum_samples(self.samples(), name, **labels)
 
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
