@@ -96,8 +96,11 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
     timings: list[pb.Timings] = []
     lock = threading.Lock()
 
-    def offer(index: int) -> None:
+    def offer(index: int, arrive: threading.Barrier) -> None:
         with small_server.client() as client:
+            # Connect first, so the whole burst reaches the server at once, however slow the machine.
+            client.model_info()
+            arrive.wait(60)
             try:
                 response = client.generate(build_request(prompt=f"Load {index}:", max_tokens=6, ignore_eos=True))
                 result = f"ok:{response.usage.completion_tokens}"
@@ -109,7 +112,8 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
             outcomes.append(result)
 
     for _ in range(3):
-        threads = [threading.Thread(target=offer, args=(i,)) for i in range(12)]
+        arrive = threading.Barrier(12)
+        threads = [threading.Thread(target=offer, args=(i, arrive)) for i in range(12)]
         for thread in threads:
             thread.start()
         for thread in threads:
