@@ -67,6 +67,9 @@ class Engine(Protocol):
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         """Token ids the model sees for this input (chat rendered with the model's template)."""
 
+    def check_sampling(self, sampling: SamplingSpec) -> None:
+        """Raise InvalidRequestError, naming the field, for sampling the engine would refuse."""
+
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineStep, None]:

@@ -150,6 +150,14 @@ class _RequestTrace:
         return derive_phase_timings(self.stamps, self.completion_tokens, wall_offset_seconds)
 
 
+async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
+    """Token ids for the input; text is tokenised on a worker thread (vLLM's tokenizer is a
+    thread-safe pool), so a long prompt does not stall every other stream on the event loop."""
+    if parsed.kind == "token_ids":
+        return list(parsed.token_ids)
+    return await asyncio.to_thread(engine.tokenize, parsed)
+
+
 class InferenceServicer:
     """Implements phasescope.v1.Inference over an `Engine`."""
 
@@ -211,9 +219,10 @@ class InferenceServicer:
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)
             parsed = parse_generate_input(request, engine.limits)
-            prompt_token_ids = engine.tokenize(parsed)
+            prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
             sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
+            engine.check_sampling(sampling)
             self._admission.acquire()
         except PhasescopeError as exc:
             self._reject(exc)
@@ -305,7 +314,7 @@ class InferenceServicer:
         engine = self._ready_engine()
         if isinstance(request, UndecodableRequest):
             raise InvalidRequestError(request.field, request.reason)
-        token_ids = engine.tokenize(parse_tokenize_input(request))
+        token_ids = await tokenize_off_loop(engine, parse_tokenize_input(request))
         return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:

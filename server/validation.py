@@ -31,6 +31,9 @@ _TOKENIZE_INPUT_FIELDS = frozenset({1, 2})
 class ModelLimits:
     max_model_len: int
     vocab_size: int
+    max_chars_per_token: int
+    """The longest token in the vocabulary, in characters: text longer than this many
+    characters per token of context cannot fit, whatever it says."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,9 +175,12 @@ def parse_generate_input(request: pb.GenerateRequest, limits: ModelLimits) -> Pa
     if kind == "prompt":
         if not request.prompt:
             raise InvalidRequestError("prompt", "must not be empty")
+        check_prompt_chars(len(request.prompt), limits, "prompt")
         return ParsedInput("prompt", prompt=request.prompt)
     if kind == "chat":
-        return ParsedInput("chat", chat=parse_chat(request.chat, "chat"))
+        chat = parse_chat(request.chat, "chat")
+        check_prompt_chars(sum(len(turn.content) for turn in chat), limits, "chat")
+        return ParsedInput("chat", chat=chat)
     if not request.token_ids.ids:
         raise InvalidRequestError("token_ids.ids", "must not be empty")
     check_token_ids(request.token_ids.ids, "token_ids.ids", limits)
@@ -188,6 +194,24 @@ def parse_tokenize_input(request: pb.TokenizeRequest) -> ParsedInput:
     if kind == "text":
         return ParsedInput("prompt", prompt=request.text)
     return ParsedInput("chat", chat=parse_chat(request.chat, "chat"))
+
+
+def check_prompt_chars(chars: int, limits: ModelLimits, field: str) -> None:
+    """Refuse text that cannot fit in the context before paying to tokenise it.
+
+    No token spans more than `max_chars_per_token` characters, so a prompt of n
+    tokens has at most n × that many; one that needs more than the context leaves
+    is refused unread (vLLM's renderer makes the same check). This bounds the
+    tokenising work any one request can ask for, whatever the message size limit.
+    """
+    most = (limits.max_model_len - 1) * limits.max_chars_per_token
+    if chars > most:
+        raise InvalidRequestError(
+            field,
+            f"{chars} characters cannot fit in the context window of {limits.max_model_len} tokens "
+            f"(no token of this model spans more than {limits.max_chars_per_token} characters, "
+            f"so at most {most} fit)",
+        )
 
 
 def check_prompt_length(prompt_tokens: int, limits: ModelLimits, field: str) -> None:

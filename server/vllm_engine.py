@@ -41,8 +41,12 @@ class VllmEngine:
     def __init__(self, llm: Any, description: ModelDescription) -> None:
         self._llm = llm
         self._description = description
-        self._limits = ModelLimits(max_model_len=description.max_context_length, vocab_size=description.vocab_size)
         self._tokenizer = llm.get_tokenizer()
+        self._limits = ModelLimits(
+            max_model_len=description.max_context_length,
+            vocab_size=description.vocab_size,
+            max_chars_per_token=int(self._tokenizer.max_chars_per_token),
+        )
         self._default_sampling: dict[str, Any] = dict(llm.model_config.get_diff_sampling_param())
         self._closed = False
 
@@ -153,6 +157,7 @@ class VllmEngine:
 
     def _sampling_params(self, spec: SamplingSpec) -> Any:
         from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
         from vllm.sampling_params import RequestOutputKind
 
         values: dict[str, Any] = dict(self._default_sampling)
@@ -178,8 +183,13 @@ class VllmEngine:
                 output_kind=RequestOutputKind.DELTA,
                 **values,
             )
-        except ValueError as exc:
-            raise InvalidRequestError("sampling", str(exc)) from exc
+        except (ValueError, VLLMClientError) as exc:
+            # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
+            parameter = getattr(exc, "parameter", None)
+            raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
+
+    def check_sampling(self, sampling: SamplingSpec) -> None:
+        self._sampling_params(sampling)
 
     async def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec

@@ -30,8 +30,13 @@ BAD_REQUESTS = {
     "max_tokens beyond the context": (build_request(prompt="hi", max_tokens=MAX_MODEL_LEN), "sampling.max_tokens"),
     "prompt as long as the context": (build_request(token_ids=[42] * MAX_MODEL_LEN), "token_ids"),
     "prompt longer than the context": (build_request(prompt="word " * (MAX_MODEL_LEN + 10)), "prompt"),
+    # Refused by length before any tokenising: no tokenisation of a megabyte fits 2,048 tokens.
+    "prompt too long for any tokenisation": (build_request(prompt="x" * 2**20), "prompt"),
+    "chat too long for any tokenisation": (chat(("system", "x" * 2**19), ("user", "y" * 2**19)), "chat"),
     "negative temperature": (build_request(prompt="hi", temperature=-1.0), "sampling.temperature"),
     "NaN temperature": (build_request(prompt="hi", temperature=math.nan), "sampling.temperature"),
+    # The engine's own rule (at most 2), found by the fuzz: named like ours, never INTERNAL.
+    "temperature above the engine's limit": (build_request(prompt="hi", temperature=3.0), "sampling.temperature"),
     "top_p zero": (build_request(prompt="hi", top_p=0.0), "sampling.top_p"),
     "top_p above one": (build_request(prompt="hi", top_p=1.01), "sampling.top_p"),
     "top_k below -1": (build_request(prompt="hi", top_k=-5), "sampling.top_k"),
@@ -87,3 +92,10 @@ def test_server_keeps_serving_and_counts_the_rejections(server: ServerProcess, c
         ).text
     )
     assert server.health() == "SERVING"
+
+
+def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(client: PhasescopeClient) -> None:
+    with pytest.raises(grpc.RpcError) as caught:
+        client.generate(build_request(prompt="x" * 2**20))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "1048576 characters cannot fit in the context window of 2048 tokens" in (caught.value.details() or "")

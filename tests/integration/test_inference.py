@@ -128,6 +128,12 @@ def test_tokenize_agrees_with_prompt_usage(client: PhasescopeClient) -> None:
     assert response.usage.prompt_tokens == len(ids)
 
 
+def test_tokenize_counts_a_document_longer_than_the_context(client: PhasescopeClient) -> None:
+    # Counting is not generating: Tokenize takes any text the message size allows.
+    ids = client.tokenize(text="word " * 100_000)
+    assert len(ids) >= 100_000  # at least a token per word, far past the 2,048-token context
+
+
 def test_model_info_describes_the_default_model(client: PhasescopeClient) -> None:
     info = client.model_info()
     assert info.model_name == "SmolLM2-135M-Instruct"

@@ -14,7 +14,8 @@ from server.validation import (
     parse_generate_input,
 )
 
-LIMITS = ModelLimits(max_model_len=100, vocab_size=1000)
+# At most 99 prompt tokens of at most 8 characters each: 792 characters.
+LIMITS = ModelLimits(max_model_len=100, vocab_size=1000, max_chars_per_token=8)
 
 
 def sampling(**values: object) -> pb.SamplingParams:
@@ -36,12 +37,42 @@ def sampling(**values: object) -> pb.SamplingParams:
         (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids"),
         (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 1000])), "token_ids.ids[1]"),
         (pb.GenerateRequest(request_id="x" * 300, prompt="hi"), "request_id"),
+        (pb.GenerateRequest(prompt="x" * 793), "prompt"),
+        (
+            pb.GenerateRequest(
+                chat=pb.Chat(
+                    messages=[
+                        pb.ChatMessage(role="system", content="x" * 400),
+                        pb.ChatMessage(role="user", content="y" * 393),
+                    ]
+                )
+            ),
+            "chat",
+        ),
     ],
 )
 def test_bad_input_names_its_field(request_message: pb.GenerateRequest, field: str) -> None:
     with pytest.raises(InvalidRequestError) as caught:
         parse_generate_input(request_message, LIMITS)
     assert caught.value.field == field
+
+
+def test_text_that_could_still_fit_goes_on_to_be_tokenised() -> None:
+    # 792 characters might be 99 tokens: only the tokenizer can tell.
+    assert parse_generate_input(pb.GenerateRequest(prompt="x" * 792), LIMITS).prompt == "x" * 792
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role="system", content="x" * 400), pb.ChatMessage(role="user", content="y" * 392)]
+    )
+    assert len(parse_generate_input(pb.GenerateRequest(chat=chat), LIMITS).chat) == 2
+
+
+def test_text_too_long_for_any_tokenisation_says_why() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_generate_input(pb.GenerateRequest(prompt="x" * 10_000), LIMITS)
+    assert str(caught.value) == (
+        "prompt: 10000 characters cannot fit in the context window of 100 tokens "
+        "(no token of this model spans more than 8 characters, so at most 792 fit)"
+    )
 
 
 def test_each_input_kind_is_parsed() -> None:
