@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import signal
 import time
@@ -22,7 +23,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
 
-from server.auth import BearerTokenInterceptor, load_tokens, server_credentials
+from server.auth import BearerTokenInterceptor, caller_identity, load_tokens, server_credentials
 from server.config import Settings, env_auth_tokens
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
@@ -99,13 +100,16 @@ class Server:
         # Listed outermost first: authentication, then the server span, which wraps the
         # status mapping so it sees the final status.
         interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME,)))
-        admission = Admission(settings.max_concurrent_requests, settings.max_queued_requests)
+        admission = Admission(
+            settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client
+        )
         servicer = InferenceServicer(
             ObserverGroup(observers),
             admission,
             model_name,
             trace_id=tracing.trace_id if tracing is not None else lambda: None,
             capture_text=tracing is not None and settings.trace_include_text,
+            identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
         )
 
         server = grpc.aio.server(

@@ -8,6 +8,7 @@ reflection services can stay open for probes (`--auth-exempt-health`).
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
@@ -87,6 +88,34 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
 
         streaming = handler.unary_stream is not None or handler.stream_stream is not None
         return with_behaviour(handler, refuse_stream if streaming else refuse_unary)
+
+
+def _bearer_token(metadata: Any) -> str:
+    for key, value in metadata or ():
+        if key == "authorization":
+            text = value if isinstance(value, str) else value.decode(errors="replace")
+            return str(text.partition(" ")[2].strip())
+    return ""
+
+
+def caller_identity(context: Any, *, tokens_checked: bool) -> str:
+    """Who is calling, for per-caller limits: the bearer token when the server checks tokens
+    (as a digest: the token itself is never kept), else the client certificate's common name
+    (mutual TLS), else the peer's address without its port.
+
+    An unchecked token would let a caller pick a fresh identity per request, so without
+    token checking the certificate or the address decides.
+    """
+    if tokens_checked:
+        token = _bearer_token(context.invocation_metadata())
+        if token:
+            return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
+    names = context.auth_context().get("x509_common_name")
+    if names:
+        return "certificate:" + str(names[0].decode(errors="replace"))
+    peer = str(context.peer())  # "ipv4:127.0.0.1:50512", "ipv6:[::1]:50512", "unix:/path"
+    host, colon, port = peer.rpartition(":")
+    return "address:" + (host if colon and port.isdigit() else peer)
 
 
 def server_credentials(cert_file: str, key_file: str, client_ca_file: str) -> grpc.ServerCredentials:

@@ -46,6 +46,9 @@ class Settings:
     """Requests the engine runs at once (vLLM's max_num_seqs); more wait in the engine's queue."""
     max_queued_requests: int = 256
     """Admitted requests allowed to wait for a running slot; beyond it requests get RESOURCE_EXHAUSTED."""
+    max_requests_per_client: int = 0
+    """Requests one caller may have in flight (0: no limit); beyond it its requests get RESOURCE_EXHAUSTED.
+    A caller is its bearer token when tokens are on, else its client certificate, else its address."""
     enforce_eager: bool = False
     """Skip graph capture and torch.compile: starts much faster, runs somewhat slower."""
     kv_cache_gib: float | None = None
@@ -119,6 +122,8 @@ class Settings:
                 problems.append(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             problems.append(f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}")
+        if self.max_requests_per_client < 0:
+            problems.append(f"--max-requests-per-client must be 0 or more, got {self.max_requests_per_client}")
         if self.max_model_len is not None and self.max_model_len < 1:
             problems.append(f"--max-model-len must be at least 1, got {self.max_model_len}")
         if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:

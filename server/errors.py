@@ -3,6 +3,7 @@
     PhasescopeError
     ├── InvalidRequestError      the caller's fault: INVALID_ARGUMENT, names the field
     ├── OverloadedError          too many requests admitted: RESOURCE_EXHAUSTED
+    │   └── ClientLimitError     too many from this one caller: RESOURCE_EXHAUSTED
     ├── NotReadyError            engine still starting, or the server draining: UNAVAILABLE
     └── EngineUnavailableError   the engine died: UNAVAILABLE
 
@@ -31,6 +32,10 @@ class InvalidRequestError(PhasescopeError):
 
 class OverloadedError(PhasescopeError):
     """More requests are in flight than the server admits."""
+
+
+class ClientLimitError(OverloadedError):
+    """One caller already has as many requests in flight as it may (`--max-requests-per-client`)."""
 
 
 class NotReadyError(PhasescopeError):
@@ -65,6 +70,8 @@ def rejection_reason(exc: BaseException) -> str | None:
     """The `reason` label of `phasescope_requests_rejected_total`, or None if `exc` is no rejection."""
     if isinstance(exc, InvalidRequestError):
         return "invalid_argument"
+    if isinstance(exc, ClientLimitError):
+        return "client_limit"
     if isinstance(exc, OverloadedError):
         return "overloaded"
     if isinstance(exc, NotReadyError):

@@ -20,6 +20,7 @@ import grpc
 from phasescope.v1 import inference_pb2 as pb
 from server.engine import Engine, EngineStep
 from server.errors import (
+    ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
     NotReadyError,
@@ -64,27 +65,41 @@ ServicerContext = grpc.aio.ServicerContext[Any, Any]
 
 
 class Admission:
-    """Counts requests in flight and refuses those beyond running + queued capacity."""
+    """Counts requests in flight and refuses those beyond running + queued capacity, and
+    (with a per-client limit) those beyond what one caller may have in flight."""
 
-    def __init__(self, max_running: int, max_queued: int) -> None:
+    def __init__(self, max_running: int, max_queued: int, per_client: int = 0) -> None:
         self.capacity = max_running + max_queued
         self.max_running = max_running
         self.max_queued = max_queued
+        self.per_client = per_client
         self.in_flight = 0
+        # Only callers with requests in flight have an entry: it is removed at zero.
+        self._by_client: dict[str, int] = {}
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def acquire(self) -> None:
+    def acquire(self, client: str) -> None:
         if self.in_flight >= self.capacity:
             raise OverloadedError(
                 f"server at capacity: {self.in_flight} requests in flight "
                 f"(--max-concurrent-requests {self.max_running} running + "
                 f"--max-queued-requests {self.max_queued} waiting); retry later"
             )
+        held = self._by_client.get(client, 0)
+        if self.per_client and held >= self.per_client:
+            raise ClientLimitError(
+                f"this client is at its limit of {self.per_client} requests in flight "
+                "(--max-requests-per-client); wait for one to finish"
+            )
+        self._by_client[client] = held + 1
         self.in_flight += 1
         self._idle.clear()
 
-    def release(self) -> None:
+    def release(self, client: str) -> None:
+        held = self._by_client.pop(client) - 1
+        if held:
+            self._by_client[client] = held
         self.in_flight -= 1
         if self.in_flight == 0:
             self._idle.set()
@@ -169,9 +184,12 @@ class InferenceServicer:
         *,
         trace_id: Callable[[], str | None] = lambda: None,
         capture_text: bool = False,
+        identify: Callable[[ServicerContext], str] = lambda context: "",
     ) -> None:
         """`trace_id` names the current trace for exemplars (tracing hands one in; the servicer
-        never imports OpenTelemetry). `capture_text` puts prompt and output text in the record."""
+        never imports OpenTelemetry). `capture_text` puts prompt and output text in the record.
+        `identify` names the caller for the per-client limit (server.auth.caller_identity)."""
+        self._identify = identify
         self._observer = observer
         self._trace_id = trace_id
         self._capture_text = capture_text
@@ -211,7 +229,7 @@ class InferenceServicer:
             self._observer.request_rejected(self._model_name, reason)
 
     async def _run(
-        self, request: pb.GenerateRequest | UndecodableRequest
+        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """The one request path behind Generate and GenerateStream."""
         try:
@@ -223,7 +241,8 @@ class InferenceServicer:
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
             sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
             engine.check_sampling(sampling)
-            self._admission.acquire()
+            caller = self._identify(context) if self._admission.per_client else ""
+            self._admission.acquire(caller)
         except PhasescopeError as exc:
             self._reject(exc)
             raise
@@ -258,7 +277,7 @@ class InferenceServicer:
             error = exc
             raise
         finally:
-            self._admission.release()
+            self._admission.release(caller)
             self._observer.request_finished(
                 PhaseRecord(
                     model=self._model_name,
@@ -287,7 +306,7 @@ class InferenceServicer:
     async def GenerateStream(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
-        async with aclosing(self._run(request)) as chunks:
+        async with aclosing(self._run(request, context)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -296,7 +315,7 @@ class InferenceServicer:
     ) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
         texts: list[str] = []
-        async with aclosing(self._run(request)) as chunks:
+        async with aclosing(self._run(request, context)) as chunks:
             async for chunk in chunks:
                 texts.append(chunk.text)
                 response.token_ids.extend(chunk.token_ids)

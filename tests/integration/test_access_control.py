@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -13,6 +14,7 @@ from support.certs import CertificateAuthority
 from support.servers import ServerProcess
 
 TOKEN = "integration-token-3f9a"
+OTHER_TOKEN = "integration-token-77c1"
 
 
 @pytest.fixture(scope="module")
@@ -24,7 +26,7 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     client = ca.issue("client", server=False)
     stranger = rogue.issue("stranger", server=False)
     tokens = directory / "tokens"
-    tokens.write_text(f"# test tokens\n{TOKEN}\n")
+    tokens.write_text(f"# test tokens\n{TOKEN}\n{OTHER_TOKEN}\n")
     return {
         "ca": ca.pair.cert, "server_key": server.key, "server_cert": server.cert,
         "client_key": client.key, "client_cert": client.cert,
@@ -37,12 +39,11 @@ def secure_server(start_server: Callable[..., ServerProcess], pki: dict[str, Pat
     server = start_server(
         "--tls-cert-file", str(pki["server_cert"]), "--tls-key-file", str(pki["server_key"]),
         "--tls-client-ca-file", str(pki["ca"]), "--auth-tokens-file", str(pki["tokens"]),
+        "--max-requests-per-client", "1",
         wait=False,
     )  # fmt: skip
     # The plaintext health probe of ServerProcess cannot talk TLS: wait with real credentials.
     with PhasescopeClient(server.address, timeout_seconds=2, credentials=credentials(pki)) as client:
-        import time
-
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             assert server.process.poll() is None, server.log_tail()
@@ -97,3 +98,28 @@ def test_health_stays_open_for_probes_without_a_token(secure_server: ServerProce
         with pytest.raises(grpc.RpcError) as caught:
             client.model_info()
     assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_one_caller_at_its_limit_does_not_hold_back_another(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
+    rejected_before = secure_server.sample_sum("phasescope_requests_rejected_total", reason="client_limit")
+    with (
+        PhasescopeClient(secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=TOKEN)) as one,
+        PhasescopeClient(
+            secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=OTHER_TOKEN)
+        ) as two,
+    ):
+        long = one.generate_stream(build_request(prompt="A long story:", max_tokens=1500, ignore_eos=True))
+        next(long)  # the caller's one request is in flight
+        with pytest.raises(grpc.RpcError) as caught:
+            one.generate(build_request(prompt="And another", max_tokens=2, ignore_eos=True))
+        assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        assert "at its limit of 1 requests in flight" in (caught.value.details() or "")
+        # Another caller (another token, the same certificate) is served meanwhile.
+        assert two.generate(build_request(prompt="Me too", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
+        long.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+        # Once its request has ended, the first caller is served again.
+        deadline = time.monotonic() + 30
+        while secure_server.sample_sum("phasescope_requests_in_flight") and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert one.generate(build_request(prompt="Now me", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
+    assert secure_server.sample_sum("phasescope_requests_rejected_total", reason="client_limit") == rejected_before + 1

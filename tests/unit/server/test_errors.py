@@ -4,6 +4,7 @@ import grpc
 import pytest
 
 from server.errors import (
+    ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
     NotReadyError,
@@ -36,6 +37,8 @@ def test_invalid_request_message_starts_with_the_field() -> None:
 
 def test_only_refusals_count_as_rejections() -> None:
     assert rejection_reason(OverloadedError("x")) == "overloaded"
+    assert rejection_reason(ClientLimitError("x")) == "client_limit"
+    assert status_for(ClientLimitError("x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert rejection_reason(InvalidRequestError("f", "m")) == "invalid_argument"
     assert rejection_reason(NotReadyError("x")) == "not_ready"
     assert rejection_reason(RuntimeError("x")) is None
