@@ -1,0 +1,215 @@
+"""The streaming transports alone: server CPU of grpc.aio against uvicorn's SSE, side by side.
+
+phasescope streams over grpc.aio; vLLM's OpenAI server streams server-sent
+events from uvicorn. This takes the engine out of the comparison: each server
+here streams a fixed small payload to N concurrent streams, one message per
+stream per "step" of a shared ticker (as an engine step feeds every running
+stream at once), and the harness reads the server process's CPU seconds over
+the streaming window. Both servers run in their own process, one at a time,
+on loopback, with the same step rate, stream counts and duration.
+
+    .venv/bin/python -m loadtests.transport_floor --streams 1,4,16 --rate 15 --seconds 10
+
+prints CPU ms per second and µs per message for each transport and point,
+and grpc.aio ÷ SSE; the raw figures go to --output (JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import http.client
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import psutil
+
+PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
+METHOD = "/floor.Floor/Stream"
+
+
+class Ticker:
+    """One shared step clock: every waiting stream wakes on the same tick."""
+
+    def __init__(self, rate: float) -> None:
+        self._period = 1.0 / rate
+        self._tick = asyncio.Event()
+
+    async def run(self) -> None:
+        while True:
+            await asyncio.sleep(self._period)
+            tick, self._tick = self._tick, asyncio.Event()
+            tick.set()
+
+    async def steps(self, seconds: float) -> AsyncIterator[None]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            await self._tick.wait()
+            yield None
+
+
+async def serve_grpc(port: int, rate: float, seconds: float) -> None:
+    ticker = Ticker(rate)
+    asyncio.get_running_loop().create_task(ticker.run())
+
+    async def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
+        async for _ in ticker.steps(seconds):
+            yield PAYLOAD
+
+    server = grpc.aio.server()
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream)},  # type: ignore[arg-type]  # aio handler
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    await server.wait_for_termination()
+
+
+def serve_sse(port: int, rate: float, seconds: float) -> None:
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import StreamingResponse
+    from starlette.routing import Route
+
+    ticker: Ticker | None = None
+
+    async def events() -> AsyncIterator[bytes]:
+        assert ticker is not None
+        async for _ in ticker.steps(seconds):
+            yield b"data: " + PAYLOAD + b"\n\n"
+
+    async def stream(request: Any) -> StreamingResponse:
+        nonlocal ticker
+        if ticker is None:
+            ticker = Ticker(rate)
+            asyncio.get_running_loop().create_task(ticker.run())
+        return StreamingResponse(events(), media_type="text/event-stream")
+
+    app = Starlette(routes=[Route("/stream", stream, methods=["POST"])])
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
+
+
+def read_grpc(port: int) -> int:
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+        call = channel.unary_stream(METHOD)
+        return sum(1 for _ in call(b"", timeout=300))
+
+
+def read_sse(port: int) -> int:
+    connection = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+    connection.request("POST", "/stream")
+    response = connection.getresponse()
+    count = 0
+    for line in response:
+        if line.startswith(b"data: "):
+            count += 1
+    connection.close()
+    return count
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return int(probe.getsockname()[1])
+
+
+def wait_listening(port: int, timeout: float = 30.0) -> None:
+    import socket
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        with socket.socket() as probe:
+            if probe.connect_ex(("127.0.0.1", port)) == 0:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(f"nothing listens on {port}")
+
+
+def measure(transport: str, streams: int, rate: float, seconds: float) -> dict[str, Any]:
+    port = free_port()
+    server = subprocess.Popen(
+        [sys.executable, "-m", "loadtests.transport_floor", "--serve", transport, "--port", str(port),
+         "--rate", str(rate), "--seconds", str(seconds)],
+    )  # fmt: skip
+    try:
+        wait_listening(port)
+        time.sleep(1.0)  # let start-up work finish before the window opens
+        process = psutil.Process(server.pid)
+        reader = read_grpc if transport == "grpc.aio" else read_sse
+        counts: list[int] = []
+        threads = [threading.Thread(target=lambda: counts.append(reader(port))) for _ in range(streams)]
+        before = process.cpu_times()
+        started = time.monotonic()
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(seconds + 60)
+        elapsed = time.monotonic() - started
+        after = process.cpu_times()
+    finally:
+        server.terminate()
+        server.wait(30)
+    cpu = (after.user - before.user) + (after.system - before.system)
+    messages = sum(counts)
+    return {
+        "transport": transport,
+        "streams": streams,
+        "rate_per_stream": rate,
+        "seconds": elapsed,
+        "messages": messages,
+        "server_cpu_seconds": cpu,
+        "server_cpu_ms_per_second": 1000 * cpu / elapsed,
+        "server_cpu_us_per_message": 1e6 * cpu / messages if messages else None,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("--streams", default="1,4,16", help="concurrent streams per point")
+    parser.add_argument("--rate", type=float, default=15.0, help="steps per second (one message per stream per step)")
+    parser.add_argument("--seconds", type=float, default=10.0, help="streaming time per point")
+    parser.add_argument("--output", type=Path, default=Path("loadtests/results/transport_floor.json"))
+    parser.add_argument("--serve", choices=("grpc.aio", "sse"), help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.serve == "grpc.aio":
+        asyncio.run(serve_grpc(args.port, args.rate, args.seconds))
+        return 0
+    if args.serve == "sse":
+        serve_sse(args.port, args.rate, args.seconds)
+        return 0
+    points = [int(value) for value in args.streams.split(",")]
+    results = []
+    print(f"{'transport':<9} {'streams':>7} {'msgs/s':>8} {'CPU ms/s':>9} {'µs/msg':>8}")
+    for streams in points:
+        for transport in ("grpc.aio", "sse"):
+            row = measure(transport, streams, args.rate, args.seconds)
+            results.append(row)
+            print(
+                f"{transport:<9} {streams:>7} {row['messages'] / row['seconds']:>8.1f} "
+                f"{row['server_cpu_ms_per_second']:>9.1f} {row['server_cpu_us_per_message'] or 0:>8.0f}"
+            )
+    print("\ngrpc.aio ÷ SSE, server CPU at the same point:")
+    for streams in points:
+        grpc_row, sse_row = (next(r for r in results if r["transport"] == t and r["streams"] == streams)
+                             for t in ("grpc.aio", "sse"))  # fmt: skip
+        print(f"  {streams:>3} streams: {grpc_row['server_cpu_seconds'] / sse_row['server_cpu_seconds']:.2f}")
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    args.output.write_text(json.dumps({"rate": args.rate, "points": results}, indent=2) + "\n")
+    print(f"\nraw results: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
