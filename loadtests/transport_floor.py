@@ -20,7 +20,7 @@ import argparse
 import asyncio
 import http.client
 import json
-import subprocess
+import socket
 import sys
 import threading
 import time
@@ -30,6 +30,8 @@ from typing import Any
 
 import grpc
 import psutil
+
+from loadtests.bench import ManagedProcess, free_port
 
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
 METHOD = "/floor.Floor/Stream"
@@ -116,36 +118,22 @@ def read_sse(port: int) -> int:
     return count
 
 
-def free_port() -> int:
-    import socket
-
+def listening(port: int) -> bool:
     with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
+        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
-def wait_listening(port: int, timeout: float = 30.0) -> None:
-    import socket
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        with socket.socket() as probe:
-            if probe.connect_ex(("127.0.0.1", port)) == 0:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(f"nothing listens on {port}")
-
-
-def measure(transport: str, streams: int, rate: float, seconds: float) -> dict[str, Any]:
+def measure(transport: str, streams: int, rate: float, seconds: float, log: Path) -> dict[str, Any]:
     port = free_port()
-    server = subprocess.Popen(
+    server = ManagedProcess(
         [sys.executable, "-m", "loadtests.transport_floor", "--serve", transport, "--port", str(port),
          "--rate", str(rate), "--seconds", str(seconds)],
+        log,
     )  # fmt: skip
     try:
-        wait_listening(port)
+        server.wait_until(lambda: listening(port), f"the {transport} server", timeout=30)
         time.sleep(1.0)  # let start-up work finish before the window opens
-        process = psutil.Process(server.pid)
+        process = psutil.Process(server.process.pid)
         reader = read_grpc if transport == "grpc.aio" else read_sse
         counts: list[int] = []
         threads = [threading.Thread(target=lambda: counts.append(reader(port))) for _ in range(streams)]
@@ -158,8 +146,7 @@ def measure(transport: str, streams: int, rate: float, seconds: float) -> dict[s
         elapsed = time.monotonic() - started
         after = process.cpu_times()
     finally:
-        server.terminate()
-        server.wait(30)
+        server.stop()
     cpu = (after.user - before.user) + (after.system - before.system)
     messages = sum(counts)
     return {
@@ -190,11 +177,12 @@ def main(argv: list[str] | None = None) -> int:
         serve_sse(args.port, args.rate, args.seconds)
         return 0
     points = [int(value) for value in args.streams.split(",")]
+    args.output.parent.mkdir(parents=True, exist_ok=True)
     results = []
     print(f"{'transport':<9} {'streams':>7} {'msgs/s':>8} {'CPU ms/s':>9} {'µs/msg':>8}")
     for streams in points:
         for transport in ("grpc.aio", "sse"):
-            row = measure(transport, streams, args.rate, args.seconds)
+            row = measure(transport, streams, args.rate, args.seconds, args.output.with_suffix(f".{transport}.log"))
             results.append(row)
             print(
                 f"{transport:<9} {streams:>7} {row['messages'] / row['seconds']:>8.1f} "
@@ -205,7 +193,6 @@ def main(argv: list[str] | None = None) -> int:
         grpc_row, sse_row = (next(r for r in results if r["transport"] == t and r["streams"] == streams)
                              for t in ("grpc.aio", "sse"))  # fmt: skip
         print(f"  {streams:>3} streams: {grpc_row['server_cpu_seconds'] / sse_row['server_cpu_seconds']:.2f}")
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.output.write_text(json.dumps({"rate": args.rate, "points": results}, indent=2) + "\n")
     print(f"\nraw results: {args.output}")
     return 0

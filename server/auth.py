@@ -44,6 +44,20 @@ def token_matches(candidate: bytes, tokens: Iterable[bytes]) -> bool:
     return matched
 
 
+def _authorization(metadata: Any) -> str | None:
+    """The first `authorization` metadata value, decoded; None when the call has none."""
+    for key, value in metadata or ():
+        if key == "authorization":
+            return value if isinstance(value, str) else str(value.decode(errors="replace"))
+    return None
+
+
+def _bearer_token(value: str) -> str:
+    """The token of a `Bearer <token>` value, as sent; empty for any other scheme."""
+    scheme, _, token = value.partition(" ")
+    return token if scheme.lower() == "bearer" else ""
+
+
 class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
     """Refuses calls without a known `authorization: Bearer <token>`, except to `exempt` services."""
 
@@ -54,12 +68,11 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         self._exempt = tuple(f"/{service}/" for service in exempt)
 
     def _refusal(self, metadata: Any) -> tuple[grpc.StatusCode, str] | None:
-        values = [value for key, value in (metadata or ()) if key == "authorization"]
-        if not values:
+        value = _authorization(metadata)
+        if value is None:
             return grpc.StatusCode.UNAUTHENTICATED, "missing `authorization: Bearer <token>` metadata"
-        value = values[0] if isinstance(values[0], str) else values[0].decode(errors="replace")
-        scheme, _, token = value.partition(" ")
-        if scheme.lower() != "bearer" or not token:
+        token = _bearer_token(value)
+        if not token:
             return grpc.StatusCode.UNAUTHENTICATED, "authorization metadata must be `Bearer <token>`"
         if not token_matches(token.strip().encode(), self._tokens):
             return grpc.StatusCode.PERMISSION_DENIED, "the token is not allowed to call this server"
@@ -90,14 +103,6 @@ class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
         return with_behaviour(handler, refuse_stream if streaming else refuse_unary)
 
 
-def _bearer_token(metadata: Any) -> str:
-    for key, value in metadata or ():
-        if key == "authorization":
-            text = value if isinstance(value, str) else value.decode(errors="replace")
-            return str(text.partition(" ")[2].strip())
-    return ""
-
-
 def caller_identity(context: Any, *, tokens_checked: bool) -> str:
     """Who is calling, for per-caller limits: the bearer token when the server checks tokens
     (as a digest: the token itself is never kept), else the client certificate's common name
@@ -107,7 +112,7 @@ def caller_identity(context: Any, *, tokens_checked: bool) -> str:
     token checking the certificate or the address decides.
     """
     if tokens_checked:
-        token = _bearer_token(context.invocation_metadata())
+        token = _bearer_token(_authorization(context.invocation_metadata()) or "").strip()
         if token:
             return "token:" + hashlib.sha256(token.encode()).hexdigest()[:16]
     names = context.auth_context().get("x509_common_name")

@@ -67,13 +67,14 @@ class Engine(Protocol):
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         """Token ids the model sees for this input (chat rendered with the model's template)."""
 
-    def check_sampling(self, sampling: SamplingSpec) -> None:
-        """Raise InvalidRequestError, naming the field, for sampling the engine would refuse."""
-
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineStep, None]:
-        """Stream the request's steps; closing the iterator aborts the engine request."""
+        """Stream the request's steps; closing the iterator aborts the engine request.
+
+        Sampling the engine refuses raises InvalidRequestError from this call, before
+        the request reaches the engine.
+        """
 
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""

@@ -240,7 +240,10 @@ class InferenceServicer:
             prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
             sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
-            engine.check_sampling(sampling)
+            # The engine's id is always ours: client ids may collide. Nothing reaches the
+            # engine until the steps are iterated; sampling it refuses raises here.
+            engine_request_id = uuid.uuid4().hex
+            steps = engine.generate(engine_request_id, prompt_token_ids, sampling)
             caller = self._identify(context) if self._admission.per_client else ""
             self._admission.acquire(caller)
         except PhasescopeError as exc:
@@ -248,15 +251,13 @@ class InferenceServicer:
             raise
 
         client_request_id = request.request_id
-        # The engine's id is always ours: client ids may collide.
-        engine_request_id = uuid.uuid4().hex
         trace = _RequestTrace(len(prompt_token_ids))
         code = grpc.StatusCode.OK
         error: BaseException | None = None
         outputs: list[str] = []
         self._observer.request_started(self._model_name)
         try:
-            async with aclosing(engine.generate(engine_request_id, prompt_token_ids, sampling)) as steps:
+            async with aclosing(steps):
                 async for step in steps:
                     trace.add(step)
                     if self._capture_text:

@@ -188,16 +188,18 @@ class VllmEngine:
             parameter = getattr(exc, "parameter", None)
             raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
 
-    def check_sampling(self, sampling: SamplingSpec) -> None:
-        self._sampling_params(sampling)
-
-    async def generate(
+    def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        # Built now, not at the first step: sampling the engine refuses raises here.
+        return self._steps(request_id, prompt_token_ids, self._sampling_params(sampling))
+
+    async def _steps(
+        self, request_id: str, prompt_token_ids: list[int], params: Any
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        params = self._sampling_params(sampling)
         try:
             # aclosing: when our caller closes this generator, vLLM's is closed at
             # once too, and its GeneratorExit handler aborts the engine request.
