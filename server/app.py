@@ -31,10 +31,12 @@ from server.interceptors import ExceptionToStatusInterceptor
 from server.peaks import resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
 from server.tracing_setup import build_tracing
+from telemetry.errors import TelemetryErrors
 from telemetry.gpu_counters import GpmSampler, start_gpu_counters
 from telemetry.observer import ObserverGroup, RequestObserver
 from telemetry.prometheus import PrometheusRequestObserver
-from telemetry.steps import RooflineTracker, StepForwarder
+from telemetry.step_metrics import StepMetrics
+from telemetry.steps import StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -87,6 +89,7 @@ class Server:
         # `*_created` series double the exposition and no dashboard reads them.
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
         tracing = build_tracing(settings)
+        telemetry_errors = TelemetryErrors(model_name, self.registry)
         observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry)]
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing is not None:
@@ -104,7 +107,7 @@ class Server:
             settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client
         )
         servicer = InferenceServicer(
-            ObserverGroup(observers),
+            ObserverGroup(observers, on_error=telemetry_errors),
             admission,
             model_name,
             trace_id=tracing.trace_id if tracing is not None else lambda: None,
@@ -145,7 +148,7 @@ class Server:
             metrics_server.server_port,
         )
         try:
-            steps = StepForwarder()
+            steps = StepForwarder(on_error=telemetry_errors)
             engine = await self._start_engine(model_path, model_name, steps)
             if engine is None:
                 return self.exit_code
@@ -153,7 +156,7 @@ class Server:
             peaks = await asyncio.to_thread(
                 resolve_peaks, settings, description.device, description.on_cpu, description.dtype
             )
-            tracker = RooflineTracker(
+            tracker = StepMetrics(
                 model_name,
                 description.cost,
                 description.dtype,
@@ -164,6 +167,7 @@ class Server:
                 window_seconds=settings.metrics_window_seconds,
             )
             steps.sink = tracker.record
+            steps.iteration_sink = tracker.record_iteration
             steps.queue_sink = tracker.record_queue
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(start_gpu_counters, self.registry, model_name)

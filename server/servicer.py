@@ -13,6 +13,7 @@ import time
 import uuid
 from collections.abc import AsyncGenerator, Callable
 from contextlib import aclosing
+from dataclasses import replace
 from typing import Any
 
 import grpc
@@ -43,12 +44,13 @@ from telemetry.hardware import HardwarePeaks
 from telemetry.observer import RequestObserver
 from telemetry.phases import (
     EngineTimestamps,
+    FirstTokenRecord,
+    FrontendTimestamps,
     PhaseRecord,
     PhaseTimings,
     RequestParameters,
     RequestText,
     derive_phase_timings,
-    monotonic_to_wall_offset_seconds,
 )
 
 logger = logging.getLogger(__name__)
@@ -125,44 +127,47 @@ def _timings_message(timings: PhaseTimings) -> pb.Timings:
         e2e_seconds=timings.e2e_seconds or 0.0,
         mean_inter_token_seconds=timings.mean_inter_token_seconds or 0.0,
         decode_tokens_per_second=timings.decode_tokens_per_second or 0.0,
+        frontend_seconds=timings.frontend_seconds or 0.0,
+        client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
     )
 
 
 class _RequestTrace:
-    """What the servicer learns about one request while it streams (no text kept)."""
+    """What the servicer learns about one request while it streams (no text kept).
 
-    def __init__(self, prompt_tokens: int) -> None:
+    Every reading is `time.monotonic()`, the clock the engine stamps with (telemetry.phases).
+    """
+
+    def __init__(self, prompt_tokens: int, streaming: bool) -> None:
+        self.front = FrontendTimestamps(entry=time.monotonic(), wall_at_entry=time.time())
+        self.streaming = streaming
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
         self.cached_prompt_tokens = 0
         self.finish_reason: str | None = None
         self.stamps: EngineTimestamps | None = None
-        self.inter_token_seconds: list[float] = []
-        self._last_token_ts = 0.0
+        self.first_token_reported = False
 
-    def add(self, step: EngineStep) -> None:
-        self.completion_tokens = max(self.completion_tokens, step.completion_tokens, len(step.token_ids))
+    def mark(self, **stamps: float) -> None:
+        self.front = replace(self.front, **stamps)
+
+    def add(self, step: EngineStep) -> int:
+        """Take in one engine step; returns how many new output tokens it carried."""
+        before = self.completion_tokens
+        self.completion_tokens = max(before, step.completion_tokens, before + len(step.token_ids))
         self.cached_prompt_tokens = step.cached_prompt_tokens
         if step.finish_reason is not None:
             self.finish_reason = step.finish_reason
-        stamps = step.stamps
-        if stamps is None:
-            return
-        self.stamps = stamps
-        new_tokens = len(step.token_ids)
-        if new_tokens and stamps.last_token_ts > 0:
-            if self._last_token_ts > 0:
-                # Several tokens can arrive in one chunk (a step that emitted more than
-                # one, or chunks coalesced while the client read slowly): the gap is
-                # shared evenly between them, so the sum still equals decode time.
-                gap = max(0.0, stamps.last_token_ts - self._last_token_ts) / new_tokens
-                self.inter_token_seconds.extend([gap] * new_tokens)
-            self._last_token_ts = stamps.last_token_ts
+        if step.stamps is not None:
+            self.stamps = step.stamps
+        return self.completion_tokens - before
 
-    def timings(self, wall_offset_seconds: float) -> PhaseTimings:
-        if self.stamps is None:
-            return PhaseTimings(None, None, None, None, None, None, None)
-        return derive_phase_timings(self.stamps, self.completion_tokens, wall_offset_seconds)
+    def timings(self) -> PhaseTimings:
+        return derive_phase_timings(self.front, self.stamps, self.completion_tokens)
+
+    @property
+    def has_first_token(self) -> bool:
+        return self.stamps is not None and self.stamps.first_token_ts > 0.0
 
 
 async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
@@ -198,9 +203,6 @@ class InferenceServicer:
         self._engine: Engine | None = None
         self._peaks: HardwarePeaks | None = None
         self._draining = False
-        # Engine timestamps are on the system-wide monotonic clock; one offset
-        # taken here puts them on the wall clock (telemetry.phases).
-        self._wall_offset_seconds = monotonic_to_wall_offset_seconds()
 
     def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> None:
         self._peaks = peaks
@@ -229,9 +231,10 @@ class InferenceServicer:
             self._observer.request_rejected(self._model_name, reason)
 
     async def _run(
-        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
+        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext, *, streaming: bool
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """The one request path behind Generate and GenerateStream."""
+        trace = _RequestTrace(0, streaming)
         try:
             engine = self._ready_engine()
             if isinstance(request, UndecodableRequest):
@@ -251,15 +254,20 @@ class InferenceServicer:
             raise
 
         client_request_id = request.request_id
-        trace = _RequestTrace(len(prompt_token_ids))
+        trace.prompt_tokens = len(prompt_token_ids)
         code = grpc.StatusCode.OK
         error: BaseException | None = None
         outputs: list[str] = []
-        self._observer.request_started(self._model_name)
+        observer = self._observer
+        model = self._model_name
+        observer.request_started(model)
+        trace.mark(handed_to_engine=time.monotonic())
         try:
             async with aclosing(steps):
                 async for step in steps:
-                    trace.add(step)
+                    new_tokens = trace.add(step)
+                    if new_tokens:
+                        observer.tokens_generated(model, new_tokens)
                     if self._capture_text:
                         outputs.append(step.text)
                     chunk = pb.GenerateStreamResponse(
@@ -271,27 +279,41 @@ class InferenceServicer:
                         )
                         chunk.usage.prompt_tokens = trace.prompt_tokens
                         chunk.usage.completion_tokens = trace.completion_tokens
-                        chunk.timings.CopyFrom(_timings_message(trace.timings(self._wall_offset_seconds)))
+                        if not trace.front.first_chunk_written:
+                            # This chunk is the stream's first too (or the call is unary): what the
+                            # client waits for ends as it is handed over.
+                            trace.mark(first_chunk_written=time.monotonic())
+                        chunk.timings.CopyFrom(_timings_message(trace.timings()))
                     yield chunk
+                    if streaming and not trace.front.first_chunk_written:
+                        # grpc.aio resumes a response generator once it has written the chunk.
+                        trace.mark(first_chunk_written=time.monotonic())
+                    if not trace.first_token_reported and trace.has_first_token:
+                        self._report_first_token(trace)
         except BaseException as exc:
             code = status_for(exc)
             error = exc
             raise
         finally:
+            trace.mark(ended=time.monotonic())
             self._admission.release(caller)
-            self._observer.request_finished(
+            if not trace.first_token_reported and trace.has_first_token:
+                # The first token came but its chunk never reached the client (cancelled
+                # while it was written): its stages are still observed, once.
+                trace.mark(first_chunk_written=0.0)
+                self._report_first_token(trace)
+            observer.request_finished(
                 PhaseRecord(
-                    model=self._model_name,
+                    model=model,
                     code=code.name,
                     finish_reason=trace.finish_reason or ("abort" if code is grpc.StatusCode.CANCELLED else "error"),
                     prompt_tokens=trace.prompt_tokens,
                     cached_prompt_tokens=trace.cached_prompt_tokens,
                     completion_tokens=trace.completion_tokens,
-                    timings=trace.timings(self._wall_offset_seconds),
-                    inter_token_seconds=tuple(trace.inter_token_seconds),
+                    timings=trace.timings(),
+                    front=trace.front,
                     stamps=trace.stamps,
-                    wall_offset_seconds=self._wall_offset_seconds,
-                    ended_wall_time=time.time(),
+                    streaming=streaming,
                     parameters=RequestParameters(
                         operation="chat" if parsed.kind == "chat" else "text_completion",
                         max_tokens=sampling.max_tokens,
@@ -304,10 +326,22 @@ class InferenceServicer:
                 )
             )
 
+    def _report_first_token(self, trace: _RequestTrace) -> None:
+        trace.first_token_reported = True
+        self._observer.request_first_token(
+            FirstTokenRecord(
+                model=self._model_name,
+                timings=trace.timings(),
+                prefill_tokens_computed=max(0, trace.prompt_tokens - trace.cached_prompt_tokens),
+                streaming=trace.streaming,
+                trace_id=self._trace_id(),
+            )
+        )
+
     async def GenerateStream(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
-        async with aclosing(self._run(request, context)) as chunks:
+        async with aclosing(self._run(request, context, streaming=True)) as chunks:
             async for chunk in chunks:
                 yield chunk
 
@@ -316,7 +350,7 @@ class InferenceServicer:
     ) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
         texts: list[str] = []
-        async with aclosing(self._run(request, context)) as chunks:
+        async with aclosing(self._run(request, context, streaming=False)) as chunks:
             async for chunk in chunks:
                 texts.append(chunk.text)
                 response.token_ids.extend(chunk.token_ids)
@@ -342,7 +376,7 @@ class InferenceServicer:
         d = engine.description
         peaks = self._peaks
         assert peaks is not None  # attached together with the engine
-        # On a CPU the engines share the machine's peaks (telemetry.steps.RooflineTracker).
+        # On a CPU the engines share the machine's peaks (telemetry.step_metrics.StepMetrics).
         share = d.data_parallel_size if d.on_cpu else 1
         bandwidth = peaks.memory_bandwidth_bytes_per_second / share
         flops = peaks.peak_flops(d.dtype) / share

@@ -217,7 +217,6 @@ class VllmEngine:
                     stamps = None
                     if stats is not None:
                         stamps = EngineTimestamps(
-                            arrival_time=stats.arrival_time,
                             queued_ts=stats.queued_ts,
                             scheduled_ts=stats.scheduled_ts,
                             first_token_ts=stats.first_token_ts,

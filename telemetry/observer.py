@@ -1,24 +1,30 @@
 """The interface between the request path and where its figures are sent.
 
-The request path calls these three methods and nothing else; Prometheus,
-tracing and logging are implementations (the pattern of vLLM's
-`StatLoggerBase`). Implementations must be cheap and must not raise.
+The request path calls these methods and nothing else; Prometheus, tracing
+and logging are implementations (the pattern of vLLM's `StatLoggerBase`).
+Figures are reported when they become known, not when the request ends: the
+first token's stages at the first token, tokens as they stream, so a long
+generation shows up in every scrape. Implementations must be cheap and must
+not raise.
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Protocol
 
-from telemetry.phases import PhaseRecord
-
-logger = logging.getLogger(__name__)
+from telemetry.phases import FirstTokenRecord, PhaseRecord
 
 
 class RequestObserver(Protocol):
     def request_started(self, model: str) -> None:
         """A request was admitted and is now in flight."""
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        """An admitted request's first token arrived (streams: once its chunk was written)."""
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        """An admitted request produced `count` more output tokens."""
 
     def request_finished(self, record: PhaseRecord) -> None:
         """An admitted request ended, successfully or not."""
@@ -27,29 +33,40 @@ class RequestObserver(Protocol):
         """A request was refused before it reached the engine."""
 
 
-class ObserverGroup:
-    """Fans every call out to several observers; one failing does not stop the others."""
+def _ignore(component: str, exc: BaseException) -> None:
+    """Where contained errors go when nobody counts them."""
 
-    def __init__(self, observers: Iterable[RequestObserver]) -> None:
+
+class ObserverGroup:
+    """Fans every call out to several observers; one failing does not stop the others or the request."""
+
+    def __init__(
+        self,
+        observers: Iterable[RequestObserver],
+        on_error: Callable[[str, BaseException], None] = _ignore,
+    ) -> None:
+        """`on_error` receives each contained exception (telemetry.errors.TelemetryErrors counts them)."""
         self._observers = tuple(observers)
+        self._on_error = on_error
+
+    def _fan_out(self, method: str, *args: object) -> None:
+        for observer in self._observers:
+            try:
+                getattr(observer, method)(*args)
+            except Exception as exc:
+                self._on_error("observer", exc)
 
     def request_started(self, model: str) -> None:
-        for observer in self._observers:
-            try:
-                observer.request_started(model)
-            except Exception:
-                logger.exception("observer %s failed in request_started", type(observer).__name__)
+        self._fan_out("request_started", model)
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        self._fan_out("request_first_token", record)
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        self._fan_out("tokens_generated", model, count)
 
     def request_finished(self, record: PhaseRecord) -> None:
-        for observer in self._observers:
-            try:
-                observer.request_finished(record)
-            except Exception:
-                logger.exception("observer %s failed in request_finished", type(observer).__name__)
+        self._fan_out("request_finished", record)
 
     def request_rejected(self, model: str, reason: str) -> None:
-        for observer in self._observers:
-            try:
-                observer.request_rejected(model, reason)
-            except Exception:
-                logger.exception("observer %s failed in request_rejected", type(observer).__name__)
+        self._fan_out("request_rejected", model, reason)

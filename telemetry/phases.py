@@ -1,44 +1,70 @@
-"""Phase durations of one request, derived from the engine's own timestamps.
+"""Phase durations of one request, on one clock.
 
-vLLM stamps a request in the engine-core process with `time.monotonic()`
-(`queued_ts`, `scheduled_ts`, `first_token_ts`, `last_token_ts`) and in the
-front end with wall-clock `arrival_time`. On Linux the monotonic clock is
-system-wide, so one offset (wall - monotonic) measured in the front end puts
-every engine timestamp on the wall clock. Timers around handlers are never
-used: they would count gRPC and Python scheduling as engine work.
+The engine core stamps a request with `time.monotonic()` of its own process
+(`queued_ts`, `scheduled_ts`, `first_token_ts`, `last_token_ts`). On Linux
+that clock is system-wide, so the front end compares those stamps directly
+with its own `time.monotonic()` readings for the same request: handler entry,
+hand-off to the engine, first chunk written, end. No offset is taken at
+start-up: a wall-clock step would shift every later request. The wall clock
+is read once per request, at entry, only to place its spans in a trace.
+
+Timers around handlers never stand in for engine phases: they would count
+gRPC and Python scheduling as engine work.
 """
 
 from __future__ import annotations
 
-import time
+import logging
 from dataclasses import dataclass
 
+from telemetry.errors import log_rate_limited
 
-def monotonic_to_wall_offset_seconds() -> float:
-    """Seconds to add to a `time.monotonic()` reading to get `time.time()`."""
-    return time.time() - time.monotonic()
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineTimestamps:
-    """A request's timestamps as the engine recorded them; 0.0 means never reached."""
+    """A request's timestamps as the engine core recorded them (monotonic); 0.0 means never reached.
 
-    arrival_time: float
-    """Wall clock (seconds since the epoch) when the front end received the request."""
+    vLLM sends them only with a request's outputs: a request that ends before its
+    first token has none.
+    """
+
     queued_ts: float
-    """Engine monotonic clock: the request entered the scheduler's waiting queue."""
+    """The request entered the scheduler's waiting queue."""
     scheduled_ts: float
-    """Engine monotonic clock: the request was first scheduled."""
+    """The request was first scheduled."""
     first_token_ts: float
-    """Engine monotonic clock: the first output token was produced."""
+    """The first output token was produced."""
     last_token_ts: float
-    """Engine monotonic clock: the latest output token was produced."""
+    """The latest output token was produced."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendTimestamps:
+    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached."""
+
+    entry: float
+    """The handler was entered: what the client waits for starts here."""
+    wall_at_entry: float
+    """`time.time()` read at entry, to place the request's spans on the wall clock."""
+    handed_to_engine: float = 0.0
+    """The request was handed to the engine client (validated, tokenised, admitted)."""
+    first_chunk_written: float = 0.0
+    """The first chunk of a stream was written to the client."""
+    ended: float = 0.0
+    """The front end finished with the request (last chunk written, or it failed)."""
+
+    def wall(self, monotonic: float) -> float:
+        """Wall-clock seconds of a monotonic reading, by this request's own offset."""
+        return self.wall_at_entry + (monotonic - self.entry)
 
 
 @dataclass(frozen=True, slots=True)
 class PhaseTimings:
-    """Where a request's time went. A phase it never reached is None."""
+    """Where a request's time went. A stage it never reached, or never left, is None."""
 
+    frontend_seconds: float | None
     queue_seconds: float | None
     prefill_seconds: float | None
     decode_seconds: float | None
@@ -46,32 +72,58 @@ class PhaseTimings:
     e2e_seconds: float | None
     mean_inter_token_seconds: float | None
     decode_tokens_per_second: float | None
+    client_time_to_first_token_seconds: float | None = None
+    abandoned_seconds: float | None = None
+    """For a request that ended before its first token: hand-off to the engine → end.
+    The engine stamps nothing before a request's first token, so this time in queue or
+    prefill cannot be split between the two."""
 
 
-def _interval(start: float, end: float) -> float | None:
+NO_TIMINGS = PhaseTimings(None, None, None, None, None, None, None, None)
+
+
+def _interval(name: str, start: float, end: float) -> float | None:
     if start <= 0.0 or end <= 0.0:
         return None
-    return max(0.0, end - start)
+    if end < start:
+        # Both ends are on one system-wide clock, so this is a defect somewhere: say so
+        # rather than hide it as 0 (it is left out of the figures).
+        log_rate_limited(
+            logger, f"negative:{name}", "negative %s interval (%.6f s) left out of the figures", name, end - start
+        )
+        return None
+    return end - start
 
 
-def derive_phase_timings(stamps: EngineTimestamps, completion_tokens: int, wall_offset_seconds: float) -> PhaseTimings:
-    """Split a request into queue, prefill and decode (vLLM's definitions).
-
-    `wall_offset_seconds` is `monotonic_to_wall_offset_seconds()` of the front end.
-    """
-    # Queue interval is from QUEUED to first SCHEDULED.
-    queue = _interval(stamps.queued_ts, stamps.scheduled_ts)
-    # Prefill interval is from first SCHEDULED to first NEW_TOKEN
-    # (a preemption counts toward the phase in which it happens).
-    prefill = _interval(stamps.scheduled_ts, stamps.first_token_ts)
-    # Decode interval is from first NEW_TOKEN to last NEW_TOKEN.
-    decode = _interval(stamps.first_token_ts, stamps.last_token_ts)
-
-    arrival_monotonic = stamps.arrival_time - wall_offset_seconds if stamps.arrival_time > 0 else 0.0
-    # TTFT = first token - arrival; E2E = last token - arrival. Arrival is wall
-    # clock, so it is moved onto the engine's monotonic clock first.
-    ttft = _interval(arrival_monotonic, stamps.first_token_ts)
-    e2e = _interval(arrival_monotonic, stamps.last_token_ts)
+def derive_phase_timings(
+    front: FrontendTimestamps, engine: EngineTimestamps | None, completion_tokens: int
+) -> PhaseTimings:
+    """Split a request into frontend, queue, prefill and decode (vLLM's definitions for the engine's phases)."""
+    queued = engine.queued_ts if engine is not None else 0.0
+    first_token = engine.first_token_ts if engine is not None else 0.0
+    last_token = engine.last_token_ts if engine is not None else 0.0
+    # Frontend = engine arrival − handler entry: validation, chat templating, tokenisation,
+    # admission and the hop to the engine core. Without engine stamps, its arrival is the
+    # front end's hand-off.
+    frontend = _interval("frontend", front.entry, queued or front.handed_to_engine)
+    queue = prefill = decode = None
+    if engine is not None:
+        # Queue interval is from QUEUED to first SCHEDULED.
+        queue = _interval("queue", engine.queued_ts, engine.scheduled_ts)
+        # Prefill interval is from first SCHEDULED to first NEW_TOKEN
+        # (a preemption counts toward the phase in which it happens).
+        prefill = _interval("prefill", engine.scheduled_ts, first_token)
+        # Decode interval is from first NEW_TOKEN to last NEW_TOKEN.
+        decode = _interval("decode", first_token, last_token)
+    # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
+    # the frontend stage (vLLM's own start later, at its arrival stamp, after tokenising).
+    ttft = _interval("time to first token", front.entry, first_token)
+    e2e = _interval("end-to-end", front.entry, last_token)
+    # Client TTFT = first chunk written − handler entry: what a streaming client waited.
+    client_ttft = _interval("client time to first token", front.entry, front.first_chunk_written)
+    abandoned = None
+    if first_token <= 0.0 and front.ended > 0.0:
+        abandoned = _interval("abandoned", front.handed_to_engine, front.ended)
 
     # TPOT = decode / (output tokens - 1): the first token belongs to prefill.
     decoded_tokens = completion_tokens - 1
@@ -81,6 +133,7 @@ def derive_phase_timings(stamps: EngineTimestamps, completion_tokens: int, wall_
         mean_inter_token = decode / decoded_tokens
         decode_tokens_per_second = decoded_tokens / decode if decode > 0 else None
     return PhaseTimings(
+        frontend_seconds=frontend,
         queue_seconds=queue,
         prefill_seconds=prefill,
         decode_seconds=decode,
@@ -88,6 +141,8 @@ def derive_phase_timings(stamps: EngineTimestamps, completion_tokens: int, wall_
         e2e_seconds=e2e,
         mean_inter_token_seconds=mean_inter_token,
         decode_tokens_per_second=decode_tokens_per_second,
+        client_time_to_first_token_seconds=client_ttft,
+        abandoned_seconds=abandoned,
     )
 
 
@@ -111,8 +166,21 @@ class RequestText:
 
 
 @dataclass(frozen=True, slots=True)
+class FirstTokenRecord:
+    """A request's first token, as observers see it: what is known once it arrived."""
+
+    model: str
+    timings: PhaseTimings
+    """frontend, queue, prefill and TTFT (client TTFT for a stream whose first chunk is written)."""
+    prefill_tokens_computed: int
+    """Prompt tokens the engine ran through prefill (prefix-cache hits excluded)."""
+    streaming: bool
+    trace_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class PhaseRecord:
-    """One finished request, as observers see it. Holds no request id, and no text unless `text` is set."""
+    """One ended request, as observers see it. Holds no request id, and no text unless `text` is set."""
 
     model: str
     """The served model name (a bounded label)."""
@@ -125,20 +193,20 @@ class PhaseRecord:
     """Prompt tokens served from the prefix cache instead of being computed."""
     completion_tokens: int
     timings: PhaseTimings
-    inter_token_seconds: tuple[float, ...] = ()
-    """Each gap between consecutive output tokens, on the engine's clock."""
+    front: FrontendTimestamps
     stamps: EngineTimestamps | None = None
     """The engine's raw timestamps, for observers that place phases in time (tracing)."""
-    wall_offset_seconds: float = 0.0
-    """Add to an engine timestamp to get wall-clock seconds (monotonic_to_wall_offset_seconds)."""
-    ended_wall_time: float = 0.0
-    """Wall clock when the request ended in the front end (its end when it never produced a token)."""
+    streaming: bool = True
     parameters: RequestParameters = RequestParameters()
     error: BaseException | None = None
     """Why the request did not finish normally (its status is `code`)."""
     trace_id: str | None = None
     """Hex trace id of the request's trace when it is sampled, for exemplars."""
     text: RequestText | None = None
+
+    @property
+    def produced_first_token(self) -> bool:
+        return self.stamps is not None and self.stamps.first_token_ts > 0.0
 
     @property
     def prefill_tokens_computed(self) -> int:

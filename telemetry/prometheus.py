@@ -11,18 +11,13 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from telemetry.phases import PhaseRecord
+from telemetry.phases import FirstTokenRecord, PhaseRecord
 
-# Request-level latency: milliseconds (a queue hop) to two hours (a long
-# generation under load), like vLLM's request buckets.
+# Request-level latency: a millisecond (the frontend stage, a queue hop) to two hours
+# (a long generation under load), like vLLM's request buckets.
 REQUEST_SECONDS_BUCKETS = (
-    0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,
     7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0,
-)  # fmt: skip
-# Gaps between tokens: sub-millisecond on a GPU to seconds on a loaded CPU.
-INTER_TOKEN_SECONDS_BUCKETS = (
-    0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
-    0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
 
 
@@ -30,37 +25,46 @@ class PrometheusRequestObserver:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
-            "Time a request spent in each phase, from the engine's timestamps: "
-            "queue = scheduled - queued, prefill = first token - scheduled, decode = last token - first token.",
+            "Time a request spent in each stage, on one monotonic clock: frontend = engine arrival - handler "
+            "entry, queue = scheduled - queued, prefill = first token - scheduled, decode = last token - first "
+            "token; abandoned = hand-off to the engine - end, for a request that ended before its first token.",
             ["model", "phase"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
         self.time_to_first_token_seconds = Histogram(
             "phasescope_time_to_first_token_seconds",
-            "First token - arrival, per request.",
+            "First token (engine stamp) - handler entry, per request that produced a token, observed at "
+            "its first token. Requests that ended before one are in phasescope_requests_without_first_token_total.",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
-        self.inter_token_latency_seconds = Histogram(
-            "phasescope_inter_token_latency_seconds",
-            "Each gap between consecutive output tokens of a request, on the engine's clock.",
+        self.client_time_to_first_token_seconds = Histogram(
+            "phasescope_client_time_to_first_token_seconds",
+            "First chunk written to the client - handler entry, per streaming request.",
             ["model"],
-            buckets=INTER_TOKEN_SECONDS_BUCKETS,
+            buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
         self.request_duration_seconds = Histogram(
             "phasescope_request_duration_seconds",
-            "Last token - arrival (end-to-end latency), per request that produced a token.",
+            "Last token - handler entry (end-to-end latency), per request that produced a token.",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
+        self.without_first_token = Counter(
+            "phasescope_requests_without_first_token",
+            "Admitted requests that ended before their first token (cancelled, deadline, failure), "
+            "by gRPC status code: the time-to-first-token SLO counts each as a miss.",
+            ["model", "code"],
+            registry=registry,
+        )
         self.tokens = Counter(
             "phasescope_tokens",
-            "Tokens processed per phase: prefill = prompt tokens computed (prefix-cache hits excluded), "
-            "decode = output tokens generated.",
+            "Tokens per phase, counted as they happen: prefill = prompt tokens computed (prefix-cache hits "
+            "excluded), at the first token; decode = output tokens, as they stream.",
             ["model", "phase"],
             registry=registry,
         )
@@ -86,30 +90,48 @@ class PrometheusRequestObserver:
     def request_started(self, model: str) -> None:
         self.requests_in_flight.labels(model).inc()
 
-    def request_finished(self, record: PhaseRecord) -> None:
+    def request_first_token(self, record: FirstTokenRecord) -> None:
         model = record.model
-        self.requests_in_flight.labels(model).dec()
-        self.requests.labels(model, record.code, record.finish_reason).inc()
-        self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
-        self.tokens.labels(model, "decode").inc(record.completion_tokens)
         timings = record.timings
         # With tracing on, each observation links to its request's trace (shown when
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
         for phase, seconds in (
+            ("frontend", timings.frontend_seconds),
             ("queue", timings.queue_seconds),
             ("prefill", timings.prefill_seconds),
-            ("decode", timings.decode_seconds),
         ):
             if seconds is not None:
                 self.phase_seconds.labels(model, phase).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
             self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
+        if record.streaming and timings.client_time_to_first_token_seconds is not None:
+            self.client_time_to_first_token_seconds.labels(model).observe(
+                timings.client_time_to_first_token_seconds, exemplar
+            )
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        self.tokens.labels(model, "decode").inc(count)
+
+    def request_finished(self, record: PhaseRecord) -> None:
+        model = record.model
+        self.requests_in_flight.labels(model).dec()
+        self.requests.labels(model, record.code, record.finish_reason).inc()
+        timings = record.timings
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        if not record.produced_first_token:
+            # Its first token never came: the client got nothing, whatever the reason.
+            self.without_first_token.labels(model, record.code).inc()
+            if timings.frontend_seconds is not None:
+                self.phase_seconds.labels(model, "frontend").observe(timings.frontend_seconds, exemplar)
+            if timings.abandoned_seconds is not None:
+                self.phase_seconds.labels(model, "abandoned").observe(timings.abandoned_seconds, exemplar)
+            return
+        if timings.decode_seconds is not None:
+            self.phase_seconds.labels(model, "decode").observe(timings.decode_seconds, exemplar)
         if timings.e2e_seconds is not None:
             self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
-        inter_token = self.inter_token_latency_seconds.labels(model)
-        for gap in record.inter_token_seconds:
-            inter_token.observe(gap)
 
     def request_rejected(self, model: str, reason: str) -> None:
         self.requests_rejected.labels(model, reason).inc()

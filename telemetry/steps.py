@@ -1,16 +1,24 @@
-"""Per-engine-step figures: tokens/s per phase, bandwidth saturation and compute idleness.
+"""What each engine step did, and the figures over a window of steps (pure: no Prometheus here).
 
 The engine reports every step (server.vllm_stats turns vLLM's SchedulerStats
-into a `StepRecord`). `RooflineTracker` keeps counters since start, so any
-window can be computed in PromQL, and exposes gauges over a short sliding
-window, computed when scraped, so an idle engine reads 0 utilisation and 1
-idleness instead of its last busy value.
+into a `StepRecord`). Each step is classified (prefill-only, decode-only or
+mixed), its work is attributed to the phases (`attribute_step`), and
+`StepWindow` turns the steps of the last few seconds into utilisations.
+telemetry.step_metrics exports them.
 
-Mixed steps (chunked prefill: some requests still prefilling while others
-decode) are split between the phases in proportion to their token counts:
-each phase gets that share of the step's time, FLOPs and bytes. For FLOPs the
-split is exact (≈ 2 × parameters per token in either phase); the weight read,
-which both phases share, is divided the same way.
+**The phase split (written once, here and in docs/metrics.md).** A pure step
+belongs wholly to its phase. In a mixed step (chunked prefill: new prompts'
+chunks scheduled beside running decodes) each phase is charged its marginal
+cost, so that neither phase's operating point is contaminated by the other's:
+- FLOPs ≈ 2 × parameters per token in either phase, so they are split by
+  token count.
+- Bytes read: decode pays what a decode-only step of its batch would read —
+  the weights once, plus its sequences' KV cache; the prefill chunk pays only
+  what it adds (the KV of its own tokens). The decoding sequences' KV is
+  estimated as the cache in use less the chunk's tokens.
+- Bytes written (each token's new KV) are split by token count.
+- Time is split in proportion to each phase's roofline time for the work it
+  was charged (max of bytes ÷ peak bandwidth and FLOPs ÷ peak FLOP/s).
 """
 
 from __future__ import annotations
@@ -18,17 +26,13 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Gauge
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.registry import Collector
-
-from telemetry.hardware import HardwarePeaks
 from telemetry.model_cost import ModelCost
 
 PHASES = ("prefill", "decode")
+STEP_KINDS = ("prefill", "decode", "mixed")
 DEFAULT_WINDOW_SECONDS = 10.0
 
 
@@ -39,327 +43,328 @@ class StepRecord:
     engine: int
     prefill_requests: int
     prefill_tokens: int
+    """Prompt tokens computed, chunks and recomputation after preemption included."""
     decode_requests: int
     decode_tokens: int
+    """New output tokens computed (one per decoding sequence, more with speculative decoding)."""
     elapsed_seconds: float
     """The step's execution time, measured in the engine core."""
     flops: float | None = None
     """The engine's own estimate for the step (vLLM --enable-mfu-metrics), per device."""
     read_bytes: float | None = None
+    written_bytes: float | None = None
     kv_cache_tokens: int = 0
     """Tokens held in the KV cache at this step (read once by a decode step)."""
 
+    @property
+    def kind(self) -> str:
+        """ "prefill" or "decode" when the step carried one phase only, else "mixed"."""
+        if not self.decode_tokens:
+            return "prefill"
+        if not self.prefill_tokens:
+            return "decode"
+        return "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIteration:
+    """Per-output-batch facts the engine's front end computed (vLLM's IterationStats)."""
+
+    engine: int
+    inter_token_seconds: Sequence[float]
+    """Every gap between a request's consecutive output tokens in this batch, on the engine core's clock."""
+    preemptions: int
+
 
 class StepForwarder:
-    """Where step records go; steps seen before a sink is attached are dropped.
+    """Where the engine's reports go; reports seen before a sink is attached are dropped.
 
-    The engine needs its stat logger before it starts, the tracker needs the
+    The engine needs its stat logger before it starts, the sink needs the
     engine's dtype and device, which are known only after: this sits between.
+    Nothing raised by a sink reaches the engine (vLLM would fail every request
+    in flight): it goes to `on_error`.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, on_error: Callable[[str, BaseException], None] | None = None) -> None:
         self.sink: Callable[[StepRecord], None] | None = None
+        self.iteration_sink: Callable[[EngineIteration], None] | None = None
         self.queue_sink: Callable[[int, int, int, float], None] | None = None
+        self.on_error = on_error
+
+    def failed(self, exc: BaseException) -> None:
+        if self.on_error is not None:
+            self.on_error("step", exc)
 
     def __call__(self, step: StepRecord) -> None:
         if self.sink is not None:
-            self.sink(step)
+            try:
+                self.sink(step)
+            except Exception as exc:
+                self.failed(exc)
+
+    def iteration(self, iteration: EngineIteration) -> None:
+        if self.iteration_sink is not None:
+            try:
+                self.iteration_sink(iteration)
+            except Exception as exc:
+                self.failed(exc)
 
     def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         """The engine's scheduler state, reported with every stats update (also after aborts)."""
         if self.queue_sink is not None:
-            self.queue_sink(engine, running, waiting, kv_cache_usage)
+            try:
+                self.queue_sink(engine, running, waiting, kv_cache_usage)
+            except Exception as exc:
+                self.failed(exc)
 
 
 @dataclass(frozen=True, slots=True)
 class PhaseShare:
+    """The part of one step charged to one phase."""
+
     tokens: int
     requests: int
     seconds: float
     flops: float
-    bytes_read: float
+    read_bytes: float
+    written_bytes: float
+
+    @property
+    def moved_bytes(self) -> float:
+        return self.read_bytes + self.written_bytes
 
 
-def model_step_cost(cost: ModelCost, step: StepRecord) -> tuple[float, float]:
-    """(FLOPs, bytes read) of a step by the project's own cost model: the cross-check of the engine's estimate."""
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A step's totals and their attribution to the phases."""
+
+    flops: float
+    read_bytes: float
+    written_bytes: float
+    model_flops: float
+    """The project's cost model's FLOPs for the step (the cross-check of the engine's estimate)."""
+    model_read_bytes: float
+    shares: dict[str, PhaseShare]
+
+
+def model_step_cost(cost: ModelCost, step: StepRecord) -> tuple[float, float, float]:
+    """(FLOPs, bytes read, bytes written) of a step by the project's own cost model."""
     tokens = step.prefill_tokens + step.decode_tokens
     flops = tokens * cost.flops_per_token()
     # Bytes read ≈ weight bytes (once per step) + the KV cache of the running sequences.
-    bytes_read = cost.weight_bytes + step.kv_cache_tokens * cost.kv_cache_bytes_per_token
-    return flops, bytes_read
+    read_bytes = cost.weight_bytes + step.kv_cache_tokens * cost.kv_cache_bytes_per_token
+    # Bytes written ≈ each computed token's new KV entries.
+    written_bytes = tokens * cost.kv_cache_bytes_per_token
+    return flops, read_bytes, written_bytes
 
 
-def split_by_phase(step: StepRecord, flops: float, bytes_read: float) -> dict[str, PhaseShare]:
-    """Divide a step's time, FLOPs and bytes between prefill and decode by token counts."""
+def attribute_step(
+    step: StepRecord, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float
+) -> StepCost:
+    """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
+    model_flops, model_read, model_written = model_step_cost(cost, step)
+    flops = step.flops if step.flops is not None else model_flops
+    read_bytes = step.read_bytes if step.read_bytes is not None else model_read
+    written_bytes = step.written_bytes if step.written_bytes is not None else model_written
     total_tokens = step.prefill_tokens + step.decode_tokens
-    shares: dict[str, PhaseShare] = {}
-    for phase, tokens, requests in (
-        ("prefill", step.prefill_tokens, step.prefill_requests),
-        ("decode", step.decode_tokens, step.decode_requests),
-    ):
-        fraction = tokens / total_tokens if total_tokens else 0.0
-        shares[phase] = PhaseShare(
-            tokens=tokens,
-            requests=requests,
-            seconds=step.elapsed_seconds * fraction,
-            flops=flops * fraction,
-            bytes_read=bytes_read * fraction,
+    kind = step.kind
+    if kind == "mixed":
+        token_share = step.decode_tokens / total_tokens
+        # Decode pays the weights and its own sequences' KV; the chunk only what it adds.
+        decode_kv_tokens = max(0, step.kv_cache_tokens - step.prefill_tokens)
+        decode_read = cost.weight_bytes + decode_kv_tokens * cost.kv_cache_bytes_per_token
+        read_share = min(1.0, decode_read / model_read) if model_read else token_share
+        decode_flops, decode_read_bytes = flops * token_share, read_bytes * read_share
+        decode_written = written_bytes * token_share
+        prefill_flops, prefill_read_bytes = flops - decode_flops, read_bytes - decode_read_bytes
+        prefill_written = written_bytes - decode_written
+
+        def roofline_seconds(phase_flops: float, moved: float) -> float:
+            return max(moved / peak_bandwidth_bytes_per_second, phase_flops / peak_flops)
+
+        decode_time = roofline_seconds(decode_flops, decode_read_bytes + decode_written)
+        prefill_time = roofline_seconds(prefill_flops, prefill_read_bytes + prefill_written)
+        time_share = decode_time / (decode_time + prefill_time) if decode_time + prefill_time else token_share
+        decode_seconds = step.elapsed_seconds * time_share
+        shares = {
+            "prefill": PhaseShare(
+                step.prefill_tokens,
+                step.prefill_requests,
+                step.elapsed_seconds - decode_seconds,
+                prefill_flops,
+                prefill_read_bytes,
+                prefill_written,
+            ),
+            "decode": PhaseShare(
+                step.decode_tokens,
+                step.decode_requests,
+                decode_seconds,
+                decode_flops,
+                decode_read_bytes,
+                decode_written,
+            ),
+        }
+    else:
+        empty = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0)
+        whole = PhaseShare(
+            total_tokens,
+            step.prefill_requests + step.decode_requests,
+            step.elapsed_seconds,
+            flops,
+            read_bytes,
+            written_bytes,
         )
-    return shares
+        shares = {phase: whole if phase == kind else empty for phase in PHASES}
+    return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFigures:
+    """One phase of one engine over the window. Operating-point figures are None when no step carried the phase."""
+
+    tokens_per_second: float
+    memory_bandwidth_utilization: float | None
+    """This phase's share of the device's bandwidth: its bytes moved ÷ window ÷ peak bytes/s."""
+    compute_utilization: float | None
+    """This phase's share of the device's compute: its FLOPs ÷ window ÷ peak FLOP/s."""
+    arithmetic_intensity: float | None
+    """FLOPs ÷ bytes moved by this phase: where it sits on the roofline."""
+    batch_size: float | None
+    """Mean requests per step that carried this phase."""
+    busy_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFigures:
+    """One engine's device over the window, all steps together."""
+
+    memory_bandwidth_utilization: float
+    compute_utilization: float
+    arithmetic_intensity: float | None
+    """None when no step ran in the window."""
+    busy_ratio: float
+    """Share of the window the engine spent executing steps."""
+
+    @property
+    def compute_idle(self) -> float:
+        """Compute idleness = 1 − MFU of all steps."""
+        return 1.0 - self.compute_utilization
 
 
 @dataclass(slots=True)
 class _Windowed:
-    at: float
+    end: float
+    duration: float
     engine: int
-    shares: dict[str, PhaseShare]
-    model_flops: float
-    model_bytes: float
-    engine_flops: float | None
-    engine_bytes: float | None
+    cost: StepCost
+    step: StepRecord
 
 
-class RooflineTracker(Collector):
-    """Counters and sliding-window gauges of what the engine's steps did against the device's peaks.
+def overlap_fraction(end: float, duration: float, window_start: float, window_end: float) -> float:
+    """Share of a step lying inside the window: its work is spread evenly over its duration."""
+    if duration <= 0.0:
+        return 1.0 if window_start <= end <= window_end else 0.0
+    start = end - duration
+    inside = min(end, window_end) - max(start, window_start)
+    return max(0.0, min(1.0, inside / duration))
 
-    `peaks_per_engine` gives the peaks each engine is judged against: on a GPU,
-    its own device's; on a CPU, the machine's peaks divided by the number of
-    engine cores sharing it, so that per-engine utilisations add up to the
-    machine's.
+
+class StepWindow:
+    """The steps of the last `window_seconds`, per engine, and the figures they give.
+
+    A step is recorded when it ends and covers the `elapsed_seconds` before;
+    only the part of it that lies inside the window counts, so a long prefill
+    step cannot push a window's utilisation above 1.
     """
 
     def __init__(
         self,
-        model: str,
-        cost: ModelCost,
-        dtype: str,
-        peaks: HardwarePeaks,
-        registry: CollectorRegistry,
-        *,
-        engines: int = 1,
-        shared_device: bool = False,
+        engines: int,
+        peak_bandwidth_bytes_per_second: float,
+        peak_flops: float,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._model = model
-        self._cost = cost
-        self._dtype = dtype
-        self._peaks = peaks
-        self._share = engines if shared_device else 1
-        self._engines = engines
-        self._window = window_seconds
+        self.engines = engines
+        self.window_seconds = window_seconds
+        self._bandwidth = peak_bandwidth_bytes_per_second
+        self._flops = peak_flops
         self._clock = clock
+        self._started = clock()
         self._lock = threading.Lock()
         self._recent: deque[_Windowed] = deque()
-        self._started = clock()
-        self.flops = Counter(
-            "phasescope_model_flops",
-            "FLOPs the engine's steps performed, per phase (the engine's estimate when it gives one, else the "
-            "cost model's: tokens × 2 × parameters).",
-            ["model", "engine", "phase"],
-            registry=registry,
-        )
-        self.bytes_read = Counter(
-            "phasescope_model_bytes_read",
-            "Bytes the engine's steps read from device memory, per phase (weights once per step + KV cache).",
-            ["model", "engine", "phase"],
-            registry=registry,
-        )
-        self.busy_seconds = Counter(
-            "phasescope_engine_busy_seconds",
-            "Seconds the engine spent executing steps, per phase (mixed steps split by token counts).",
-            ["model", "engine", "phase"],
-            registry=registry,
-        )
-        self.step_tokens = Counter(
-            "phasescope_engine_step_tokens",
-            "Tokens the engine's steps processed, per phase, as the engine scheduled them.",
-            ["model", "engine", "phase"],
-            registry=registry,
-        )
-        self.engine_requests = Gauge(
-            "phasescope_engine_requests",
-            "Requests in the engine's scheduler: running (in the batch) or waiting (queued for a slot).",
-            ["model", "engine", "state"],
-            registry=registry,
-        )
-        self.kv_cache_usage = Gauge(
-            "phasescope_kv_cache_usage_ratio",
-            "Share of the engine's KV-cache blocks in use (1 = full: new sequences wait or are preempted).",
-            ["model", "engine"],
-            registry=registry,
-        )
-        for engine in range(engines):
-            for state in ("running", "waiting"):
-                self.engine_requests.labels(model, str(engine), state).set(0)
-            self.kv_cache_usage.labels(model, str(engine)).set(0)
-        registry.register(self)
 
-    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.engine_requests.labels(self._model, str(engine), "running").set(running)
-        self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
-        self.kv_cache_usage.labels(self._model, str(engine)).set(kv_cache_usage)
-
-    @property
-    def peak_memory_bandwidth_bytes_per_second(self) -> float:
-        """Per engine: the device's peak, shared between engines on one CPU."""
-        return self._peaks.memory_bandwidth_bytes_per_second / self._share
-
-    @property
-    def peak_flops(self) -> float:
-        return self._peaks.peak_flops(self._dtype) / self._share
-
-    def record(self, step: StepRecord) -> None:
-        model_flops, model_bytes = model_step_cost(self._cost, step)
-        flops = step.flops if step.flops is not None else model_flops
-        bytes_read = step.read_bytes if step.read_bytes is not None else model_bytes
-        shares = split_by_phase(step, flops, bytes_read)
-        engine = str(step.engine)
-        for phase, share in shares.items():
-            if share.tokens == 0:
-                continue
-            self.flops.labels(self._model, engine, phase).inc(share.flops)
-            self.bytes_read.labels(self._model, engine, phase).inc(share.bytes_read)
-            self.busy_seconds.labels(self._model, engine, phase).inc(share.seconds)
-            self.step_tokens.labels(self._model, engine, phase).inc(share.tokens)
+    def add(self, step: StepRecord, cost: StepCost) -> None:
+        now = self._clock()
         with self._lock:
-            self._recent.append(
-                _Windowed(self._clock(), step.engine, shares, model_flops, model_bytes, step.flops, step.read_bytes)
-            )
-            self._expire()
+            self._recent.append(_Windowed(now, step.elapsed_seconds, step.engine, cost, step))
+            self._expire(now)
 
-    def _expire(self) -> None:
-        horizon = self._clock() - self._window
-        while self._recent and self._recent[0].at < horizon:
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_seconds
+        while self._recent and self._recent[0].end < horizon:
             self._recent.popleft()
 
-    def window_figures(self) -> dict[tuple[int, str], dict[str, float]]:
-        """Per (engine, phase): tokens/s, bandwidth and compute utilisation, intensity, batch size."""
+    def _snapshot(self) -> tuple[list[tuple[float, _Windowed]], float]:
+        """(fraction inside the window, entry) pairs, and the window's length."""
+        now = self._clock()
         with self._lock:
-            self._expire()
+            self._expire(now)
             recent = list(self._recent)
         # Before a whole window has passed, divide by the time actually observed.
-        window = min(self._window, max(self._clock() - self._started, 1e-9))
-        figures: dict[tuple[int, str], dict[str, float]] = {}
-        for engine in range(self._engines):
+        window = min(self.window_seconds, max(now - self._started, 1e-9))
+        start = now - window
+        return [(overlap_fraction(e.end, e.duration, start, now), e) for e in recent], window
+
+    def figures(self) -> tuple[dict[tuple[int, str], PhaseFigures], dict[int, DeviceFigures]]:
+        """Per (engine, phase) and per engine: the window's figures."""
+        entries, window = self._snapshot()
+        phases: dict[tuple[int, str], PhaseFigures] = {}
+        devices: dict[int, DeviceFigures] = {}
+        for engine in range(self.engines):
+            mine = [(fraction, e) for fraction, e in entries if e.engine == engine and fraction > 0.0]
             for phase in PHASES:
-                shares = [entry.shares[phase] for entry in recent if entry.engine == engine]
-                tokens = sum(share.tokens for share in shares)
-                flops = sum(share.flops for share in shares)
-                moved = sum(share.bytes_read for share in shares)
-                steps_with_phase = [share for share in shares if share.tokens]
-                figures[(engine, phase)] = {
-                    "tokens_per_second": tokens / window,
-                    # Bandwidth saturation = achieved bytes/s ÷ peak bytes/s.
-                    "memory_bandwidth_utilization": moved / window / self.peak_memory_bandwidth_bytes_per_second,
-                    # MFU = achieved FLOP/s ÷ peak FLOP/s; idleness = 1 − MFU.
-                    "compute_utilization": flops / window / self.peak_flops,
-                    # Arithmetic intensity = FLOPs ÷ bytes moved; 0 when idle.
-                    "arithmetic_intensity": flops / moved if moved else 0.0,
-                    "batch_size": (
-                        sum(share.requests for share in steps_with_phase) / len(steps_with_phase)
-                        if steps_with_phase
-                        else 0.0
+                carried = [(fraction, e.cost.shares[phase]) for fraction, e in mine if e.cost.shares[phase].tokens]
+                tokens = sum(fraction * share.tokens for fraction, share in carried)
+                flops = sum(fraction * share.flops for fraction, share in carried)
+                moved = sum(fraction * share.moved_bytes for fraction, share in carried)
+                weight = sum(fraction for fraction, _ in carried)
+                phases[(engine, phase)] = PhaseFigures(
+                    tokens_per_second=tokens / window,
+                    # Bandwidth saturation = achieved bytes/s ÷ peak bytes/s (this phase's part).
+                    memory_bandwidth_utilization=moved / window / self._bandwidth if carried else None,
+                    # MFU = achieved FLOP/s ÷ peak FLOP/s (this phase's part).
+                    compute_utilization=flops / window / self._flops if carried else None,
+                    # Arithmetic intensity = FLOPs ÷ bytes moved.
+                    arithmetic_intensity=flops / moved if carried and moved else None,
+                    batch_size=(
+                        sum(fraction * share.requests for fraction, share in carried) / weight if weight else None
                     ),
-                }
-        return figures
+                    busy_seconds=sum(fraction * share.seconds for fraction, share in carried),
+                )
+            flops = sum(fraction * e.cost.flops for fraction, e in mine)
+            moved = sum(fraction * (e.cost.read_bytes + e.cost.written_bytes) for fraction, e in mine)
+            busy = sum(fraction * e.duration for fraction, e in mine)
+            devices[engine] = DeviceFigures(
+                memory_bandwidth_utilization=moved / window / self._bandwidth,
+                compute_utilization=flops / window / self._flops,
+                arithmetic_intensity=flops / moved if moved else None,
+                busy_ratio=min(1.0, busy / window),
+            )
+        return phases, devices
 
     def agreement(self) -> dict[str, float]:
-        """Cost model ÷ engine estimate over the window, for FLOPs and bytes (absent without engine estimates)."""
+        """Cost model ÷ engine estimate over the window, for FLOPs and bytes read (absent without engine estimates)."""
         with self._lock:
-            self._expire()
-            recent = [entry for entry in self._recent if entry.engine_flops is not None]
+            self._expire(self._clock())
+            recent = [e for e in self._recent if e.step.flops is not None]
         if not recent:
             return {}
-        engine_flops = sum(entry.engine_flops or 0.0 for entry in recent)
-        engine_bytes = sum(entry.engine_bytes or 0.0 for entry in recent)
+        engine_flops = sum(e.step.flops or 0.0 for e in recent)
+        engine_bytes = sum(e.step.read_bytes or 0.0 for e in recent)
         result: dict[str, float] = {}
         if engine_flops:
-            result["flops"] = sum(entry.model_flops for entry in recent) / engine_flops
+            result["flops"] = sum(e.cost.model_flops for e in recent) / engine_flops
         if engine_bytes:
-            result["bytes"] = sum(entry.model_bytes for entry in recent) / engine_bytes
+            result["bytes"] = sum(e.cost.model_read_bytes for e in recent) / engine_bytes
         return result
-
-    def collect(self) -> Iterator[Metric]:
-        figures = self.window_figures()
-        families = {
-            "tokens_per_second": GaugeMetricFamily(
-                "phasescope_tokens_per_second",
-                f"Tokens per second per phase over the last {self._window:g} s of engine steps.",
-                labels=["model", "engine", "phase"],
-            ),
-            "memory_bandwidth_utilization": GaugeMetricFamily(
-                "phasescope_memory_bandwidth_utilization_ratio",
-                "Bandwidth saturation: bytes read per second ÷ the device's peak bytes/s, per phase, over the window.",
-                labels=["model", "engine", "phase"],
-            ),
-            "compute_utilization": GaugeMetricFamily(
-                "phasescope_compute_utilization_ratio",
-                "Model FLOPs utilisation: FLOP/s ÷ the device's peak FLOP/s, per phase, over the window.",
-                labels=["model", "engine", "phase"],
-            ),
-            "compute_idle": GaugeMetricFamily(
-                "phasescope_compute_idle_ratio",
-                "Compute idleness: 1 − compute utilisation, per phase, over the window.",
-                labels=["model", "engine", "phase"],
-            ),
-            "arithmetic_intensity": GaugeMetricFamily(
-                "phasescope_arithmetic_intensity_flops_per_byte",
-                "FLOPs per byte read, per phase, over the window (0 when idle).",
-                labels=["model", "engine", "phase"],
-            ),
-        }
-        batch = GaugeMetricFamily(
-            "phasescope_decode_batch_size",
-            "Mean number of sequences per decode step over the window (0 when idle).",
-            labels=["model", "engine"],
-        )
-        for (engine, phase), values in figures.items():
-            labels = [self._model, str(engine), phase]
-            for key in ("tokens_per_second", "memory_bandwidth_utilization", "compute_utilization"):
-                families[key].add_metric(labels, values[key])
-            families["compute_idle"].add_metric(labels, 1.0 - values["compute_utilization"])
-            families["arithmetic_intensity"].add_metric(labels, values["arithmetic_intensity"])
-            if phase == "decode":
-                batch.add_metric([self._model, str(engine)], values["batch_size"])
-        yield from families.values()
-        yield batch
-        agreement = self.agreement()
-        if agreement:
-            family = GaugeMetricFamily(
-                "phasescope_cost_model_agreement_ratio",
-                "The project's cost model ÷ the engine's own estimate over the window (1 = they agree).",
-                labels=["model", "quantity"],
-            )
-            for quantity, ratio in agreement.items():
-                family.add_metric([self._model, quantity], ratio)
-            yield family
-        yield from self._peak_families()
-
-    def _peak_families(self) -> Iterator[Metric]:
-        source = self._peaks.source
-        bandwidth = GaugeMetricFamily(
-            "phasescope_hardware_peak_memory_bandwidth_bytes_per_second",
-            "Peak memory bandwidth each engine is judged against (a CPU's is shared between its engines).",
-            labels=["model", "source"],
-        )
-        bandwidth.add_metric([self._model, source], self.peak_memory_bandwidth_bytes_per_second)
-        flops = GaugeMetricFamily(
-            "phasescope_hardware_peak_flops",
-            "Peak dense FLOP/s in the served dtype each engine is judged against.",
-            labels=["model", "source", "dtype"],
-        )
-        flops.add_metric([self._model, source, self._dtype], self.peak_flops)
-        ridge = GaugeMetricFamily(
-            "phasescope_roofline_ridge_point_flops_per_byte",
-            "Ridge point = peak FLOP/s ÷ peak bytes/s: the intensity above which a step is compute-bound.",
-            labels=["model"],
-        )
-        ridge.add_metric([self._model], self.peak_flops / self.peak_memory_bandwidth_bytes_per_second)
-        info = GaugeMetricFamily(
-            "phasescope_hardware_info",
-            "The device the engines run on and where its peaks came from (value is always 1).",
-            labels=["model", "device", "source", "engines"],
-        )
-        info.add_metric([self._model, self._peaks.description or self._peaks.device, source, str(self._engines)], 1.0)
-        yield from (bandwidth, flops, ridge, info)

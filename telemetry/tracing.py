@@ -2,9 +2,11 @@
 
 The gRPC server span comes from opentelemetry-instrumentation-grpc's aio
 interceptor (its parent is the caller's W3C `traceparent`). Under it,
-`TracingObserver` adds a request span with exactly three children, `queue`,
-`prefill` and `decode`, whose start and end are the engine's own timestamps
-moved onto the wall clock (telemetry.phases), so they tile the request.
+`TracingObserver` adds a request span whose children tile it: `frontend`
+(handler entry to engine arrival), then `queue`, `prefill` and `decode` at
+the engine's own timestamps, or `abandoned` for a request that ended before
+its first token. Each request's monotonic readings are placed on the wall
+clock by the offset read at its own entry (telemetry.phases).
 Attributes follow the GenAI semantic conventions where they exist
 (`gen_ai.*`) and `phasescope.*` otherwise. No prompt or output text is
 recorded unless text capture is turned on.
@@ -24,7 +26,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode
 
-from telemetry.phases import PhaseRecord
+from telemetry.phases import FirstTokenRecord, PhaseRecord
 
 INSTRUMENTATION_NAME = "phasescope"
 
@@ -73,28 +75,36 @@ class TracingObserver:
         self._include_text = include_text
 
     def request_started(self, model: str) -> None:
-        """Spans are built when the request ends, from the engine's timestamps."""
+        """Spans are built when the request ends, from its timestamps."""
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        """The request span carries the first token as an event when it ends."""
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        """Token counts are on the request span."""
 
     def request_rejected(self, model: str, reason: str) -> None:
         """The gRPC server span already carries a rejected request's status."""
 
     def request_finished(self, record: PhaseRecord) -> None:
         stamps = record.stamps
-        offset = record.wall_offset_seconds
+        front = record.front
 
-        def wall(engine_ts: float) -> float | None:
-            # Engine timestamps are monotonic; 0 means the request never got there.
-            return engine_ts + offset if engine_ts > 0 else None
+        def wall(monotonic: float) -> float | None:
+            # 0 means the request never got there.
+            return front.wall(monotonic) if monotonic > 0 else None
 
+        entry = front.wall_at_entry
+        handed = wall(front.handed_to_engine)
         queued = wall(stamps.queued_ts) if stamps else None
         scheduled = wall(stamps.scheduled_ts) if stamps else None
         first_token = wall(stamps.first_token_ts) if stamps else None
         last_token = wall(stamps.last_token_ts) if stamps else None
-        arrival = stamps.arrival_time if stamps and stamps.arrival_time > 0 else record.ended_wall_time
-        start = min(t for t in (arrival, queued) if t is not None)
+        ended = wall(front.ended) or entry
+        start = entry
         # A finished request ends with its last token; one that failed or was cancelled
         # ends when the front end gave up on it.
-        end = last_token if last_token is not None and record.code == "OK" else record.ended_wall_time
+        end = last_token if last_token is not None and record.code == "OK" else ended
         end = max(end, start)
 
         parameters = record.parameters
@@ -125,13 +135,16 @@ class TracingObserver:
             attributes["phasescope.time_to_first_token_seconds"] = timings.time_to_first_token_seconds
         if timings.e2e_seconds is not None:
             attributes["phasescope.e2e_seconds"] = timings.e2e_seconds
+        if timings.client_time_to_first_token_seconds is not None:
+            attributes["phasescope.client_time_to_first_token_seconds"] = timings.client_time_to_first_token_seconds
         if self._include_text and record.text is not None:
             attributes["phasescope.prompt"] = record.text.prompt
             attributes["phasescope.output"] = record.text.output
         span.set_attributes(attributes)
 
         context = trace.set_span_in_context(span)
-        phases = (
+        phases: tuple[tuple[str, float | None, float | None, dict[str, float | None]], ...] = (
+            ("frontend", entry, queued or handed, {"phasescope.frontend_seconds": timings.frontend_seconds}),
             ("queue", queued, scheduled, {"phasescope.queue_seconds": timings.queue_seconds}),
             ("prefill", scheduled, first_token, {"phasescope.prefill_seconds": timings.prefill_seconds}),
             (
@@ -143,6 +156,14 @@ class TracingObserver:
                     "phasescope.decode_tokens_per_second": timings.decode_tokens_per_second,
                     "phasescope.mean_inter_token_seconds": timings.mean_inter_token_seconds,
                 },
+            ),
+            # The engine stamps nothing before a request's first token: time in its queue
+            # or prefill is one span when the request ended first.
+            (
+                "abandoned",
+                handed if first_token is None else None,
+                ended,
+                {"phasescope.abandoned_seconds": timings.abandoned_seconds},
             ),
         )
         for name, phase_start, phase_end, phase_attributes in phases:

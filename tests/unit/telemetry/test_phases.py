@@ -1,69 +1,94 @@
+import logging
+
 import pytest
 
-from telemetry.phases import EngineTimestamps, PhaseRecord, derive_phase_timings
+from telemetry.phases import EngineTimestamps, FrontendTimestamps, PhaseRecord, derive_phase_timings
 
-# Engine monotonic clock reads ~1000 s; wall clock = monotonic + 1.7e9.
-OFFSET = 1.7e9
+# Every reading is one monotonic clock (~1000 s); the wall clock is read once, at entry.
+WALL_AT_ENTRY = 1.7e9
 
 
-def stamps(arrival_mono: float, queued: float, scheduled: float, first: float, last: float) -> EngineTimestamps:
-    return EngineTimestamps(
-        arrival_time=arrival_mono + OFFSET,
-        queued_ts=queued,
-        scheduled_ts=scheduled,
-        first_token_ts=first,
-        last_token_ts=last,
+def front(entry: float, handed: float = 0.0, written: float = 0.0, ended: float = 0.0) -> FrontendTimestamps:
+    return FrontendTimestamps(entry, WALL_AT_ENTRY, handed_to_engine=handed, first_chunk_written=written, ended=ended)
+
+
+def stamps(queued: float, scheduled: float, first: float, last: float) -> EngineTimestamps:
+    return EngineTimestamps(queued_ts=queued, scheduled_ts=scheduled, first_token_ts=first, last_token_ts=last)
+
+
+def test_phases_follow_vllm_definitions_and_start_at_handler_entry() -> None:
+    timings = derive_phase_timings(
+        front(999.990, handed=999.995, written=1001.002), stamps(1000.0, 1000.5, 1001.0, 1003.0), 5
     )
-
-
-def test_phases_follow_vllm_definitions() -> None:
-    timings = derive_phase_timings(stamps(999.990, 1000.0, 1000.5, 1001.0, 1003.0), 5, OFFSET)
+    # Frontend = engine arrival (queued) − handler entry.
+    assert timings.frontend_seconds == pytest.approx(0.01)
     assert timings.queue_seconds == pytest.approx(0.5)
     assert timings.prefill_seconds == pytest.approx(0.5)
     assert timings.decode_seconds == pytest.approx(2.0)
-    # TTFT and E2E start at the front end's arrival, converted onto the engine clock.
+    # TTFT and E2E start at the handler's entry, on the same clock as the engine's stamps.
     assert timings.time_to_first_token_seconds == pytest.approx(1.01)
     assert timings.e2e_seconds == pytest.approx(3.01)
+    # What the client waited: until its first chunk was written.
+    assert timings.client_time_to_first_token_seconds == pytest.approx(1.012)
     # TPOT = decode / (output tokens - 1); the first token belongs to prefill.
     assert timings.mean_inter_token_seconds == pytest.approx(0.5)
     assert timings.decode_tokens_per_second == pytest.approx(2.0)
+    assert timings.abandoned_seconds is None
 
 
-def test_phases_tile_the_engine_time_exactly() -> None:
-    s = stamps(99.0, 100.0, 100.25, 101.125, 104.0)
-    timings = derive_phase_timings(s, 10, OFFSET)
-    assert timings.queue_seconds is not None
-    assert timings.prefill_seconds is not None
-    assert timings.decode_seconds is not None
-    total = timings.queue_seconds + timings.prefill_seconds + timings.decode_seconds
-    assert total == pytest.approx(s.last_token_ts - s.queued_ts)
+def test_stages_tile_the_request_from_entry_to_last_token() -> None:
+    entry, s = 99.5, stamps(100.0, 100.25, 101.125, 104.0)
+    timings = derive_phase_timings(front(entry), s, 10)
+    stages = (timings.frontend_seconds, timings.queue_seconds, timings.prefill_seconds, timings.decode_seconds)
+    assert None not in stages
+    assert sum(stage or 0.0 for stage in stages) == pytest.approx(s.last_token_ts - entry)
+    assert timings.e2e_seconds == pytest.approx(s.last_token_ts - entry)
 
 
 def test_single_token_has_no_decode_rate() -> None:
-    timings = derive_phase_timings(stamps(9.9, 10.0, 10.1, 10.2, 10.2), 1, OFFSET)
+    timings = derive_phase_timings(front(9.9), stamps(10.0, 10.1, 10.2, 10.2), 1)
     assert timings.decode_seconds == 0.0
     assert timings.mean_inter_token_seconds is None
     assert timings.decode_tokens_per_second is None
 
 
-def test_request_aborted_while_queued_has_only_what_it_reached() -> None:
-    timings = derive_phase_timings(stamps(9.9, 10.0, 0.0, 0.0, 0.0), 0, OFFSET)
+def test_request_ended_before_its_first_token_is_abandoned_from_hand_off_to_end() -> None:
+    # vLLM sends no stamps before the first token: the front end's own readings are all there is.
+    timings = derive_phase_timings(front(9.9, handed=9.95, ended=11.2), None, 0)
+    assert timings.frontend_seconds == pytest.approx(0.05)
+    assert timings.abandoned_seconds == pytest.approx(1.25)
     assert timings.queue_seconds is None
     assert timings.prefill_seconds is None
-    assert timings.decode_seconds is None
     assert timings.time_to_first_token_seconds is None
 
 
-def test_clock_skew_never_gives_negative_durations() -> None:
-    # Arrival converted with a slightly stale offset can land after queued_ts.
-    timings = derive_phase_timings(stamps(10.002, 10.0, 10.1, 10.3, 10.5), 3, OFFSET)
+def test_a_request_still_running_is_not_abandoned() -> None:
+    assert derive_phase_timings(front(9.9, handed=9.95), None, 0).abandoned_seconds is None
+
+
+def test_negative_interval_is_logged_and_left_out_never_zero(caplog: pytest.LogCaptureFixture) -> None:
+    # Guards the defect of a stale start-up offset: a clock step clamped every TTFT to 0 silently.
+    with caplog.at_level(logging.WARNING, logger="telemetry.phases"):
+        timings = derive_phase_timings(front(10.5), stamps(10.0, 10.1, 10.3, 10.5), 3)
+    assert timings.frontend_seconds is None
     assert timings.queue_seconds == pytest.approx(0.1)
-    assert timings.time_to_first_token_seconds == pytest.approx(0.298)
+    assert "negative frontend interval" in caplog.text
+
+
+def test_wall_clock_of_a_reading_uses_the_requests_own_offset() -> None:
+    assert front(100.0).wall(101.5) == pytest.approx(WALL_AT_ENTRY + 1.5)
 
 
 def test_prefill_tokens_computed_excludes_prefix_cache_hits() -> None:
-    timings = derive_phase_timings(stamps(0.5, 1.0, 1.0, 2.0, 3.0), 2, OFFSET)
+    timings = derive_phase_timings(front(0.5), stamps(1.0, 1.0, 2.0, 3.0), 2)
     record = PhaseRecord(
-        "m", "OK", "stop", prompt_tokens=100, cached_prompt_tokens=64, completion_tokens=2, timings=timings
+        "m",
+        "OK",
+        "stop",
+        prompt_tokens=100,
+        cached_prompt_tokens=64,
+        completion_tokens=2,
+        timings=timings,
+        front=front(0.5),
     )
     assert record.prefill_tokens_computed == 36

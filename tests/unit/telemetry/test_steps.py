@@ -1,14 +1,18 @@
 import pytest
 from prometheus_client import CollectorRegistry
 
+from telemetry.errors import TelemetryErrors
 from telemetry.hardware import HardwarePeaks
 from telemetry.model_cost import model_cost_from_config
-from telemetry.steps import RooflineTracker, StepForwarder, StepRecord, split_by_phase
+from telemetry.step_metrics import StepMetrics
+from telemetry.steps import EngineIteration, StepForwarder, StepRecord, attribute_step, overlap_fraction
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
 PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
 CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
-COST = model_cost_from_config(CONFIG, parameter_count=1_000_000, dtype="float32")  # 4 MB of weights
+# 4 MB of weights; KV bytes per token = 2 × 2 layers × 2 KV heads × 16 head dim × 4 bytes = 512.
+COST = model_cost_from_config(CONFIG, parameter_count=1_000_000, dtype="float32")
+KV = 512
 
 
 class FakeClock:
@@ -19,33 +23,79 @@ class FakeClock:
         return self.now
 
 
-def tracker(clock: FakeClock, registry: CollectorRegistry, **kwargs: object) -> RooflineTracker:
-    return RooflineTracker("m", COST, "float32", PEAKS, registry, window_seconds=10.0, clock=clock, **kwargs)  # type: ignore[arg-type]
+def metrics(clock: FakeClock, registry: CollectorRegistry, engines: int = 1, shared: bool = False) -> StepMetrics:
+    return StepMetrics(
+        "m", COST, "float32", PEAKS, registry, engines=engines, shared_device=shared, window_seconds=10.0, clock=clock
+    )
 
 
-def decode_step(batch: int, engine: int = 0, flops: float | None = None, read_bytes: float | None = None) -> StepRecord:
-    return StepRecord(engine, 0, 0, batch, batch, 0.05, flops=flops, read_bytes=read_bytes)
+def decode_step(
+    batch: int,
+    engine: int = 0,
+    flops: float | None = None,
+    read_bytes: float | None = None,
+    elapsed: float = 0.05,
+    kv_tokens: int = 0,
+) -> StepRecord:
+    return StepRecord(
+        engine,
+        0,
+        0,
+        batch,
+        batch,
+        elapsed,
+        flops=flops,
+        read_bytes=read_bytes,
+        written_bytes=0.0,
+        kv_cache_tokens=kv_tokens,
+    )
 
 
 def gauge(registry: CollectorRegistry, name: str, phase: str, engine: str = "0") -> float | None:
     return registry.get_sample_value(name, {"model": "m", "engine": engine, "phase": phase})
 
 
-def test_mixed_step_is_split_by_token_counts() -> None:
-    step = StepRecord(
-        0, prefill_requests=1, prefill_tokens=300, decode_requests=100, decode_tokens=100, elapsed_seconds=0.4
-    )
-    shares = split_by_phase(step, flops=8e9, bytes_read=4e6)
-    assert shares["prefill"].seconds == pytest.approx(0.3)
-    assert shares["decode"].seconds == pytest.approx(0.1)
-    assert shares["prefill"].flops == pytest.approx(6e9)
-    assert shares["decode"].bytes_read == pytest.approx(1e6)
-    assert shares["decode"].requests == 100
+def device(registry: CollectorRegistry, name: str, engine: str = "0") -> float | None:
+    return registry.get_sample_value(name, {"model": "m", "engine": engine})
 
 
-def test_window_gauges_report_decode_saturation_then_idle() -> None:
+def test_steps_are_classified_by_what_they_carried() -> None:
+    assert StepRecord(0, 1, 300, 0, 0, 0.1).kind == "prefill"
+    assert StepRecord(0, 0, 0, 4, 4, 0.1).kind == "decode"
+    assert StepRecord(0, 1, 300, 4, 4, 0.1).kind == "mixed"
+
+
+def test_in_a_mixed_step_decode_pays_the_weights_and_its_kv_and_the_chunk_its_margin() -> None:
+    # 64 decoders holding 6,400 tokens of KV beside a 512-token chunk (the cache now holds both).
+    step = StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_400 + 512)
+    cost = attribute_step(step, COST, PEAKS.memory_bandwidth_bytes_per_second, 1e12)
+    decode, prefill = cost.shares["decode"], cost.shares["prefill"]
+    # FLOPs ≈ 2 × parameters per token in either phase: split by token count.
+    assert decode.flops == pytest.approx(64 * 2e6)
+    assert prefill.flops == pytest.approx(512 * 2e6)
+    # Decode reads what a decode-only step of its batch would: weights + its 6,400 tokens of KV.
+    assert decode.read_bytes == pytest.approx(4e6 + 6_400 * KV)
+    assert prefill.read_bytes == pytest.approx(512 * KV)
+    assert decode.read_bytes + prefill.read_bytes == pytest.approx(cost.read_bytes)
+    # Time by each phase's roofline time, max(bytes ÷ 100 GB/s, FLOPs ÷ 1 TFLOP/s): decode
+    # max(7.3e6 B → 73 µs, 1.28e8 FLOP → 128 µs) = 128 µs; the chunk 1.024e9 FLOP → 1,024 µs.
+    assert decode.seconds + prefill.seconds == pytest.approx(0.4)
+    assert decode.seconds == pytest.approx(0.4 * 128 / (128 + 1024))
+
+
+def test_decode_operating_point_is_the_same_with_or_without_a_chunk_beside_it() -> None:
+    # The defect this guards: token-share splitting gave decode the whole step's intensity, so
+    # decode plotted as compute-bound whenever prompts kept arriving.
+    bandwidth = PEAKS.memory_bandwidth_bytes_per_second
+    alone = attribute_step(decode_step(64, kv_tokens=6_400), COST, bandwidth, 1e12).shares["decode"]
+    mixed = attribute_step(StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_912), COST, bandwidth, 1e12)
+    beside = mixed.shares["decode"]
+    assert beside.flops / beside.moved_bytes == pytest.approx(alone.flops / alone.moved_bytes, rel=0.15)
+
+
+def test_window_reports_decode_saturation_then_idle_without_phantom_phases() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = tracker(clock, registry)
+    roofline = metrics(clock, registry)
     clock.now += 10
     # 100 decode steps of batch 4 in 10 s, each read 5e8 bytes and did 4e8 FLOPs (the engine's estimate).
     for _ in range(100):
@@ -55,29 +105,75 @@ def test_window_gauges_report_decode_saturation_then_idle() -> None:
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode") == pytest.approx(0.05)
     # 100 × 4e8 FLOPs / 10 s = 4e9 FLOP/s of 1e12 FLOP/s.
     assert gauge(registry, "phasescope_compute_utilization_ratio", "decode") == pytest.approx(0.004)
-    assert gauge(registry, "phasescope_compute_idle_ratio", "decode") == pytest.approx(0.996)
     assert gauge(registry, "phasescope_arithmetic_intensity_flops_per_byte", "decode") == pytest.approx(0.8)
     assert registry.get_sample_value("phasescope_decode_batch_size", {"model": "m", "engine": "0"}) == 4
+    # Decode only: prefill ran no step, so it has no operating point (not "100 % idle").
+    assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "prefill") is None
+    assert gauge(registry, "phasescope_compute_utilization_ratio", "prefill") is None
+    assert gauge(registry, "phasescope_tokens_per_second", "prefill") == 0
+    # The device: the same figures, with idleness = 1 − MFU of all steps, and 5 s busy of 10.
+    assert device(registry, "phasescope_device_memory_bandwidth_utilization_ratio") == pytest.approx(0.05)
+    assert device(registry, "phasescope_device_compute_idle_ratio") == pytest.approx(0.996)
+    assert device(registry, "phasescope_engine_busy_ratio") == pytest.approx(0.5)
     assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(5e10)
     assert gauge(registry, "phasescope_engine_busy_seconds_total", "decode") == pytest.approx(5.0)
+    assert (
+        registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "decode"})
+        == 100
+    )
     # No traffic for a whole window: idle must not look like saturation.
     clock.now += 11
-    assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode") == 0
-    assert gauge(registry, "phasescope_compute_utilization_ratio", "decode") == 0
-    assert gauge(registry, "phasescope_compute_idle_ratio", "decode") == 1
+    assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode") is None
     assert gauge(registry, "phasescope_tokens_per_second", "decode") == 0
+    assert device(registry, "phasescope_device_memory_bandwidth_utilization_ratio") == 0
+    assert device(registry, "phasescope_device_compute_utilization_ratio") == 0
+    assert device(registry, "phasescope_device_compute_idle_ratio") == 1
+    assert device(registry, "phasescope_engine_busy_ratio") == 0
     assert registry.get_sample_value("phasescope_decode_batch_size", {"model": "m", "engine": "0"}) == 0
     # Counters keep the history for PromQL windows.
     assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(5e10)
 
 
+def test_device_figures_hold_every_phase_and_each_phase_its_part() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry)
+    clock.now += 10
+    roofline.record(StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_912))
+    roofline.record(decode_step(64, kv_tokens=6_464))
+    total = device(registry, "phasescope_device_memory_bandwidth_utilization_ratio") or 0.0
+    parts = [
+        gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", phase) or 0.0
+        for phase in ("prefill", "decode")
+    ]
+    assert total == pytest.approx(sum(parts))
+    assert all(0 < part < total for part in parts)
+    assert (
+        registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "mixed"}) == 1
+    )
+
+
+def test_a_step_longer_than_the_window_counts_only_its_part_inside() -> None:
+    # The defect this guards: a 20 s CPU prefill stamped at its end put all its work in a 10 s window (utilisation 2).
+    assert overlap_fraction(end=100.0, duration=20.0, window_start=90.0, window_end=100.0) == pytest.approx(0.5)
+    assert overlap_fraction(end=85.0, duration=1.0, window_start=90.0, window_end=100.0) == 0.0
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry)
+    clock.now += 30
+    roofline.record(StepRecord(0, 1, 4000, 0, 0, 20.0, flops=2e13, read_bytes=1e9, written_bytes=0.0))
+    # Half the step's FLOPs in the window: 1e13 / 10 s of 1e12 FLOP/s.
+    assert device(registry, "phasescope_device_compute_utilization_ratio") == pytest.approx(1.0)
+    assert device(registry, "phasescope_engine_busy_ratio") == pytest.approx(1.0)
+    assert gauge(registry, "phasescope_tokens_per_second", "prefill") == pytest.approx(200.0)
+
+
 def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = tracker(clock, registry)
+    roofline = metrics(clock, registry)
     roofline.record(StepRecord(0, 0, 0, 2, 2, 0.01, kv_cache_tokens=100))
-    # 2 tokens × 2 × 1e6 parameters; weights 4e6 bytes + 100 tokens × 2 × 2 × 2 × 16 × 4 bytes of KV.
+    # 2 tokens × 2 × 1e6 parameters; weights 4e6 bytes + 100 tokens × 512 bytes of KV; 2 new KV entries written.
     assert gauge(registry, "phasescope_model_flops_total", "decode") == pytest.approx(4e6)
-    assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(4e6 + 100 * 512)
+    assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(4e6 + 100 * KV)
+    assert gauge(registry, "phasescope_model_written_bytes_total", "decode") == pytest.approx(2 * KV)
     assert (
         registry.get_sample_value("phasescope_cost_model_agreement_ratio", {"model": "m", "quantity": "flops"}) is None
     )
@@ -89,13 +185,14 @@ def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> 
 
 def test_engines_on_one_cpu_share_its_peaks() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = tracker(clock, registry, engines=2, shared_device=True)
+    roofline = metrics(clock, registry, engines=2, shared=True)
     clock.now += 10
     for engine in (0, 1):
         roofline.record(decode_step(1, engine=engine, flops=1e9, read_bytes=1e10))
     # Each engine: 1e10 bytes / 10 s against half of 100 GB/s.
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode", "0") == pytest.approx(0.02)
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode", "1") == pytest.approx(0.02)
+    assert device(registry, "phasescope_device_memory_bandwidth_utilization_ratio", "1") == pytest.approx(0.02)
     assert registry.get_sample_value(
         "phasescope_hardware_peak_memory_bandwidth_bytes_per_second", {"model": "m", "source": "measured"}
     ) == pytest.approx(50e9)
@@ -103,7 +200,7 @@ def test_engines_on_one_cpu_share_its_peaks() -> None:
 
 def test_peaks_and_their_source_are_exported() -> None:
     registry = CollectorRegistry()
-    tracker(FakeClock(), registry)
+    metrics(FakeClock(), registry)
     assert registry.get_sample_value("phasescope_roofline_ridge_point_flops_per_byte", {"model": "m"}) == pytest.approx(
         10
     )
@@ -113,7 +210,18 @@ def test_peaks_and_their_source_are_exported() -> None:
     assert registry.get_sample_value("phasescope_hardware_info", info) == 1
 
 
-def test_forwarder_drops_steps_until_a_sink_is_attached() -> None:
+def test_engine_inter_token_latencies_and_preemptions_are_recorded() -> None:
+    registry = CollectorRegistry()
+    roofline = metrics(FakeClock(), registry)
+    roofline.record_iteration(EngineIteration(0, (0.0004, 0.0006, 0.5), preemptions=2))
+    itl = {"model": "m"}
+    assert registry.get_sample_value("phasescope_inter_token_latency_seconds_count", itl) == 3
+    # Sub-millisecond gaps land in their own buckets (a small model's decode on a GPU).
+    assert registry.get_sample_value("phasescope_inter_token_latency_seconds_bucket", {**itl, "le": "0.0005"}) == 1
+    assert registry.get_sample_value("phasescope_preemptions_total", {"model": "m", "engine": "0"}) == 2
+
+
+def test_forwarder_drops_reports_until_a_sink_is_attached() -> None:
     seen: list[StepRecord] = []
     forward = StepForwarder()
     forward(decode_step(1))
@@ -122,9 +230,25 @@ def test_forwarder_drops_steps_until_a_sink_is_attached() -> None:
     assert [step.decode_requests for step in seen] == [2]
 
 
+def test_a_failing_sink_is_contained_and_counted() -> None:
+    registry = CollectorRegistry()
+    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
+
+    def broken(*args: object) -> None:
+        raise ZeroDivisionError("broken sink")
+
+    forward.sink = broken
+    forward.queue_sink = broken
+    forward.iteration_sink = broken
+    forward(decode_step(1))
+    forward.queue(0, 1, 0, 0.1)
+    forward.iteration(EngineIteration(0, (), 0))
+    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 3
+
+
 def test_queue_depth_is_exported_per_engine() -> None:
     registry = CollectorRegistry()
-    roofline = tracker(FakeClock(), registry, engines=2)
+    roofline = metrics(FakeClock(), registry, engines=2)
     waiting = {"model": "m", "engine": "1", "state": "waiting"}
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 0
     roofline.record_queue(1, running=3, waiting=7, kv_cache_usage=0.25)

@@ -9,6 +9,7 @@ from opentelemetry.trace import StatusCode
 
 from telemetry.phases import (
     EngineTimestamps,
+    FrontendTimestamps,
     PhaseRecord,
     RequestParameters,
     RequestText,
@@ -16,10 +17,9 @@ from telemetry.phases import (
 )
 from telemetry.tracing import TracingObserver, current_trace_id
 
-OFFSET = 1_700_000_000.0  # wall = engine monotonic + OFFSET
-STAMPS = EngineTimestamps(
-    arrival_time=99.990 + OFFSET, queued_ts=100.0, scheduled_ts=100.25, first_token_ts=100.75, last_token_ts=102.0
-)
+OFFSET = 1_700_000_000.0  # wall = monotonic + OFFSET, read at the request's entry
+FRONT = FrontendTimestamps(entry=99.990, wall_at_entry=99.990 + OFFSET, handed_to_engine=99.995, ended=102.001)
+STAMPS = EngineTimestamps(queued_ts=100.0, scheduled_ts=100.25, first_token_ts=100.75, last_token_ts=102.0)
 MARKER = "zebra-marker-4711"
 
 
@@ -31,10 +31,9 @@ def record(**overrides: object) -> PhaseRecord:
         "prompt_tokens": 7,
         "cached_prompt_tokens": 0,
         "completion_tokens": 6,
-        "timings": derive_phase_timings(STAMPS, 6, OFFSET),
+        "timings": derive_phase_timings(FRONT, STAMPS, 6),
         "stamps": STAMPS,
-        "wall_offset_seconds": OFFSET,
-        "ended_wall_time": 102.001 + OFFSET,
+        "front": FRONT,
         "parameters": RequestParameters("chat", max_tokens=6, temperature=0.5, top_p=0.9),
         "text": RequestText(f"prompt {MARKER}", f"output {MARKER}"),
     }
@@ -59,7 +58,7 @@ def by_name(spans: tuple[ReadableSpan, ...]) -> dict[str, ReadableSpan]:
     return {span.name: span for span in spans}
 
 
-def test_request_span_has_three_phase_children_tiling_it(traced: tuple[TracerProvider, InMemorySpanExporter]) -> None:
+def test_request_span_has_four_stage_children_tiling_it(traced: tuple[TracerProvider, InMemorySpanExporter]) -> None:
     provider, exporter = traced
     finished = record()
     finish_under_server_span(provider, TracingObserver(provider), finished)
@@ -71,15 +70,18 @@ def test_request_span_has_three_phase_children_tiling_it(traced: tuple[TracerPro
         (s for s in spans.values() if s.parent and s.parent.span_id == request.context.span_id),
         key=lambda s: s.start_time or 0,
     )
-    assert [c.name for c in children] == ["queue", "prefill", "decode"]
-    queue, prefill, decode = children
-    # Engine timestamps moved onto the wall clock: they tile without gaps or overlaps.
-    assert queue.start_time == round((100.0 + OFFSET) * 1e9)
+    assert [c.name for c in children] == ["frontend", "queue", "prefill", "decode"]
+    frontend, queue, prefill, decode = children
+    # One clock per request, placed on the wall clock by its own offset: the stages tile
+    # the request from handler entry to last token without gaps or overlaps.
+    assert frontend.start_time == request.start_time
+    assert frontend.end_time == queue.start_time == round((100.0 + OFFSET) * 1e9)
     assert queue.end_time == prefill.start_time
     assert prefill.end_time == decode.start_time
     assert decode.end_time == round((102.0 + OFFSET) * 1e9)
     timings = finished.timings
     for span, seconds in (
+        (frontend, timings.frontend_seconds),
         (queue, timings.queue_seconds),
         (prefill, timings.prefill_seconds),
         (decode, timings.decode_seconds),
@@ -132,8 +134,8 @@ def test_cancelled_request_has_error_status_and_its_exception(
         code="CANCELLED",
         finish_reason="abort",
         error=asyncio.CancelledError(),
-        ended_wall_time=101.5 + OFFSET,
-        stamps=EngineTimestamps(99.99 + OFFSET, 100.0, 100.25, 100.75, 101.25),
+        front=FrontendTimestamps(99.990, 99.990 + OFFSET, handed_to_engine=99.995, ended=101.5),
+        stamps=EngineTimestamps(100.0, 100.25, 100.75, 101.25),
     )
     finish_under_server_span(provider, TracingObserver(provider), cancelled)
     request = by_name(exporter.get_finished_spans())["chat tiny"]
@@ -143,22 +145,28 @@ def test_cancelled_request_has_error_status_and_its_exception(
     assert request.end_time == round((101.5 + OFFSET) * 1e9)
 
 
-def test_request_cancelled_while_queued_has_only_a_queue_span(
+def test_request_ended_before_its_first_token_has_frontend_and_abandoned_spans(
     traced: tuple[TracerProvider, InMemorySpanExporter],
 ) -> None:
+    # vLLM sends no stamps before a request's first token: queue and prefill cannot be told apart.
     provider, exporter = traced
-    queued_only = record(
-        code="CANCELLED",
-        finish_reason="abort",
+    front = FrontendTimestamps(99.990, 99.990 + OFFSET, handed_to_engine=99.995, ended=100.5)
+    unanswered = record(
+        code="DEADLINE_EXCEEDED",
+        finish_reason="error",
         completion_tokens=0,
-        stamps=EngineTimestamps(99.99 + OFFSET, 100.0, 0.0, 0.0, 0.0),
-        ended_wall_time=100.5 + OFFSET,
+        stamps=None,
+        front=front,
+        timings=derive_phase_timings(front, None, 0),
     )
-    finish_under_server_span(provider, TracingObserver(provider), queued_only)
-    names = sorted(span.name for span in exporter.get_finished_spans())
-    assert names == ["chat tiny", "queue", "server"]
-    queue = by_name(exporter.get_finished_spans())["queue"]
-    assert queue.end_time == round((100.5 + OFFSET) * 1e9)
+    finish_under_server_span(provider, TracingObserver(provider), unanswered)
+    spans = by_name(exporter.get_finished_spans())
+    assert sorted(spans) == ["abandoned", "chat tiny", "frontend", "server"]
+    assert spans["frontend"].end_time == spans["abandoned"].start_time
+    assert spans["abandoned"].start_time == pytest.approx((99.995 + OFFSET) * 1e9, abs=1e3)
+    assert spans["abandoned"].end_time == spans["chat tiny"].end_time
+    assert spans["chat tiny"].end_time == pytest.approx((100.5 + OFFSET) * 1e9, abs=1e3)
+    assert dict(spans["abandoned"].attributes or {})["phasescope.abandoned_seconds"] == pytest.approx(0.505)
 
 
 def test_trace_id_is_known_only_inside_a_sampled_span(traced: tuple[TracerProvider, InMemorySpanExporter]) -> None:

@@ -1,0 +1,298 @@
+"""Prometheus export of the engine's steps: per-phase and device-level roofline figures, ITL, queue state.
+
+Counters since start let any window be computed in PromQL; gauges over the
+`StepWindow` are computed when scraped, so an idle engine reads 0
+utilisation and 1 idleness instead of its last busy value, and a phase that
+ran no step in the window has no operating point (its series are absent)
+instead of a misleading 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from telemetry.hardware import HardwarePeaks
+from telemetry.model_cost import ModelCost
+from telemetry.steps import (
+    DEFAULT_WINDOW_SECONDS,
+    STEP_KINDS,
+    DeviceFigures,
+    EngineIteration,
+    StepRecord,
+    StepWindow,
+    attribute_step,
+)
+
+# Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
+# to seconds on a loaded CPU.
+INTER_TOKEN_SECONDS_BUCKETS = (
+    0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+class StepMetrics(Collector):
+    """The engine's steps against the device's peaks, as Prometheus series.
+
+    `peaks` are each engine's own device's; on a CPU (`shared_device`) the
+    engines share the machine, so each is judged against its share of the
+    machine's peaks and the per-engine utilisations add up to the machine's.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        cost: ModelCost,
+        dtype: str,
+        peaks: HardwarePeaks,
+        registry: CollectorRegistry,
+        *,
+        engines: int = 1,
+        shared_device: bool = False,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] | None = None,
+    ) -> None:
+        self._model = model
+        self._cost = cost
+        self._dtype = dtype
+        self._peaks = peaks
+        self._share = engines if shared_device else 1
+        self._engines = engines
+        window_args = {"clock": clock} if clock is not None else {}
+        self.window = StepWindow(
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, **window_args
+        )
+        labels = ["model", "engine", "phase"]
+        self.flops = Counter(
+            "phasescope_model_flops",
+            "FLOPs the engine's steps performed, per phase (the engine's estimate when it gives one, else the "
+            "cost model's: tokens × 2 × parameters); mixed steps split by token count.",
+            labels,
+            registry=registry,
+        )
+        self.bytes_read = Counter(
+            "phasescope_model_bytes_read",
+            "Bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
+            "in a mixed step decode pays the weights and its own KV, the prefill chunk only what it adds.",
+            labels,
+            registry=registry,
+        )
+        self.written_bytes = Counter(
+            "phasescope_model_written_bytes",
+            "Bytes the engine's steps wrote to device memory (new KV entries), per phase.",
+            labels,
+            registry=registry,
+        )
+        self.busy_seconds = Counter(
+            "phasescope_engine_busy_seconds",
+            "Seconds the engine spent executing steps, per phase (mixed steps split by each phase's roofline time).",
+            labels,
+            registry=registry,
+        )
+        self.step_tokens = Counter(
+            "phasescope_engine_step_tokens",
+            "Tokens the engine's steps processed, per phase, as the engine scheduled them (prefill chunks and "
+            "recomputation after preemption count as prefill).",
+            labels,
+            registry=registry,
+        )
+        self.steps = Counter(
+            "phasescope_engine_steps",
+            "Engine steps by kind: prefill (prompt chunks only), decode (decodes only), mixed (both).",
+            ["model", "engine", "kind"],
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            "phasescope_preemptions",
+            "Requests the engine preempted (KV cache full): each recomputes its tokens when resumed.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.inter_token_latency_seconds = Histogram(
+            "phasescope_inter_token_latency_seconds",
+            "Each gap between consecutive output tokens of a request, from the engine core's own step "
+            "timestamps (vLLM's per-step values), whatever the front end coalesced into one chunk.",
+            ["model"],
+            buckets=INTER_TOKEN_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.engine_requests = Gauge(
+            "phasescope_engine_requests",
+            "Requests in the engine's scheduler: running (in the batch) or waiting (queued for a slot).",
+            ["model", "engine", "state"],
+            registry=registry,
+        )
+        self.kv_cache_usage = Gauge(
+            "phasescope_kv_cache_usage_ratio",
+            "Share of the engine's KV-cache blocks in use (1 = full: new sequences wait or are preempted).",
+            ["model", "engine"],
+            registry=registry,
+        )
+        for engine in range(engines):
+            for state in ("running", "waiting"):
+                self.engine_requests.labels(model, str(engine), state).set(0)
+            self.kv_cache_usage.labels(model, str(engine)).set(0)
+            self.preemptions.labels(model, str(engine))
+            for kind in STEP_KINDS:
+                self.steps.labels(model, str(engine), kind)
+        self._inter_token = self.inter_token_latency_seconds.labels(model)
+        registry.register(self)
+
+    @property
+    def peak_memory_bandwidth_bytes_per_second(self) -> float:
+        """Per engine: the device's peak, shared between engines on one CPU."""
+        return self._peaks.memory_bandwidth_bytes_per_second / self._share
+
+    @property
+    def peak_flops(self) -> float:
+        return self._peaks.peak_flops(self._dtype) / self._share
+
+    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.engine_requests.labels(self._model, str(engine), "running").set(running)
+        self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
+        self.kv_cache_usage.labels(self._model, str(engine)).set(kv_cache_usage)
+
+    def record_iteration(self, iteration: EngineIteration) -> None:
+        observe = self._inter_token.observe
+        for gap in iteration.inter_token_seconds:
+            observe(gap)
+        if iteration.preemptions:
+            self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
+
+    def record(self, step: StepRecord) -> None:
+        cost = attribute_step(step, self._cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        engine = str(step.engine)
+        self.steps.labels(self._model, engine, step.kind).inc()
+        for phase, share in cost.shares.items():
+            if share.tokens == 0:
+                continue
+            self.flops.labels(self._model, engine, phase).inc(share.flops)
+            self.bytes_read.labels(self._model, engine, phase).inc(share.read_bytes)
+            self.written_bytes.labels(self._model, engine, phase).inc(share.written_bytes)
+            self.busy_seconds.labels(self._model, engine, phase).inc(share.seconds)
+            self.step_tokens.labels(self._model, engine, phase).inc(share.tokens)
+        self.window.add(step, cost)
+
+    def collect(self) -> Iterator[Metric]:
+        phases, devices = self.window.figures()
+        window = f"over the last {self.window.window_seconds:g} s of engine steps"
+        labels = ["model", "engine", "phase"]
+        tokens_per_second = GaugeMetricFamily(
+            "phasescope_tokens_per_second", f"Tokens per second per phase {window}.", labels=labels
+        )
+        bandwidth = GaugeMetricFamily(
+            "phasescope_memory_bandwidth_utilization_ratio",
+            "This phase's part of the device's bandwidth saturation: its bytes moved (read + written) per "
+            f"second ÷ peak bytes/s, {window}; absent when no step carried the phase.",
+            labels=labels,
+        )
+        compute = GaugeMetricFamily(
+            "phasescope_compute_utilization_ratio",
+            f"This phase's part of the device's FLOP/s ÷ peak FLOP/s (MFU), {window}; absent when no step "
+            "carried the phase.",
+            labels=labels,
+        )
+        intensity = GaugeMetricFamily(
+            "phasescope_arithmetic_intensity_flops_per_byte",
+            f"FLOPs per byte moved by this phase (its operating point on the roofline), {window}; absent when no "
+            "step carried the phase.",
+            labels=labels,
+        )
+        batch = GaugeMetricFamily(
+            "phasescope_decode_batch_size",
+            "Mean number of sequences per step that carried decode, over the window (0 when none did).",
+            labels=["model", "engine"],
+        )
+        for (engine, phase), figures in phases.items():
+            values = [self._model, str(engine), phase]
+            tokens_per_second.add_metric(values, figures.tokens_per_second)
+            if figures.memory_bandwidth_utilization is not None:
+                bandwidth.add_metric(values, figures.memory_bandwidth_utilization)
+            if figures.compute_utilization is not None:
+                compute.add_metric(values, figures.compute_utilization)
+            if figures.arithmetic_intensity is not None:
+                intensity.add_metric(values, figures.arithmetic_intensity)
+            if phase == "decode":
+                batch.add_metric([self._model, str(engine)], figures.batch_size or 0.0)
+        yield from (tokens_per_second, bandwidth, compute, intensity, batch)
+        yield from self._device_families(devices, window)
+        agreement = self.window.agreement()
+        if agreement:
+            family = GaugeMetricFamily(
+                "phasescope_cost_model_agreement_ratio",
+                "The project's cost model ÷ the engine's own estimate over the window (1 = they agree).",
+                labels=["model", "quantity"],
+            )
+            for quantity, ratio in agreement.items():
+                family.add_metric([self._model, quantity], ratio)
+            yield family
+        yield from self._peak_families()
+
+    def _device_families(self, devices: dict[int, DeviceFigures], window: str) -> Iterator[Metric]:
+        labels = ["model", "engine"]
+        bandwidth = GaugeMetricFamily(
+            "phasescope_device_memory_bandwidth_utilization_ratio",
+            f"Bandwidth saturation of the engine's device, all steps: bytes moved per second ÷ peak bytes/s, {window}.",
+            labels=labels,
+        )
+        compute = GaugeMetricFamily(
+            "phasescope_device_compute_utilization_ratio",
+            f"MFU of the engine's device, all steps: FLOP/s ÷ peak FLOP/s, {window}.",
+            labels=labels,
+        )
+        idle = GaugeMetricFamily(
+            "phasescope_device_compute_idle_ratio",
+            f"Compute idleness of the engine's device: 1 − its MFU over all steps, {window} (1 when idle).",
+            labels=labels,
+        )
+        intensity = GaugeMetricFamily(
+            "phasescope_device_arithmetic_intensity_flops_per_byte",
+            f"FLOPs per byte moved, all steps, {window}; absent when no step ran.",
+            labels=labels,
+        )
+        busy = GaugeMetricFamily(
+            "phasescope_engine_busy_ratio",
+            f"Share of the window the engine spent executing steps, {window}.",
+            labels=labels,
+        )
+        for engine, figures in devices.items():
+            values = [self._model, str(engine)]
+            bandwidth.add_metric(values, figures.memory_bandwidth_utilization)
+            compute.add_metric(values, figures.compute_utilization)
+            idle.add_metric(values, figures.compute_idle)
+            if figures.arithmetic_intensity is not None:
+                intensity.add_metric(values, figures.arithmetic_intensity)
+            busy.add_metric(values, figures.busy_ratio)
+        yield from (bandwidth, compute, idle, intensity, busy)
+
+    def _peak_families(self) -> Iterator[Metric]:
+        source = self._peaks.source
+        bandwidth = GaugeMetricFamily(
+            "phasescope_hardware_peak_memory_bandwidth_bytes_per_second",
+            "Peak memory bandwidth each engine is judged against (a CPU's is shared between its engines).",
+            labels=["model", "source"],
+        )
+        bandwidth.add_metric([self._model, source], self.peak_memory_bandwidth_bytes_per_second)
+        flops = GaugeMetricFamily(
+            "phasescope_hardware_peak_flops",
+            "Peak dense FLOP/s in the served dtype each engine is judged against.",
+            labels=["model", "source", "dtype"],
+        )
+        flops.add_metric([self._model, source, self._dtype], self.peak_flops)
+        ridge = GaugeMetricFamily(
+            "phasescope_roofline_ridge_point_flops_per_byte",
+            "Ridge point = peak FLOP/s ÷ peak bytes/s: the intensity above which a step is compute-bound.",
+            labels=["model"],
+        )
+        ridge.add_metric([self._model], self.peak_flops / self.peak_memory_bandwidth_bytes_per_second)
+        info = GaugeMetricFamily(
+            "phasescope_hardware_info",
+            "The device the engines run on and where its peaks came from (value is always 1).",
+            labels=["model", "device", "source", "engines"],
+        )
+        info.add_metric([self._model, self._peaks.description or self._peaks.device, source, str(self._engines)], 1.0)
+        yield from (bandwidth, flops, ridge, info)

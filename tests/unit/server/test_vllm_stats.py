@@ -1,0 +1,86 @@
+"""The stat logger at vLLM's boundary: vLLM's own stats objects in, step reports out, nothing raised back."""
+
+from types import SimpleNamespace
+
+from prometheus_client import CollectorRegistry
+from vllm.v1.metrics.perf import PerfStats
+from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
+
+from server.vllm_stats import PhasescopeStatLogger
+from telemetry.errors import TelemetryErrors
+from telemetry.steps import EngineIteration, StepForwarder, StepRecord
+
+
+def logger(forward: StepForwarder) -> PhasescopeStatLogger:
+    # The engine configuration is the boundary here: only the two parts the logger reads.
+    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=100, block_size=16), speculative_config=None)
+    return PhasescopeStatLogger(config, 0, forward)  # type: ignore[arg-type]  # a stand-in for VllmConfig
+
+
+def scheduler_stats(ctx_requests: int, ctx_tokens: int, gen_requests: int, gen_tokens: int) -> SchedulerStats:
+    return SchedulerStats(
+        num_running_reqs=ctx_requests + gen_requests,
+        kv_cache_usage=0.5,
+        iteration_details=SchedulerIterationDetails(
+            iteration_index=1,
+            num_ctx_requests=ctx_requests,
+            num_ctx_tokens=ctx_tokens,
+            num_generation_requests=gen_requests,
+            num_generation_tokens=gen_tokens,
+            elapsed_ms=40.0,
+        ),
+        perf_stats=PerfStats(num_flops_per_gpu=10**9, num_read_bytes_per_gpu=5 * 10**8, num_write_bytes_per_gpu=10**6),
+    )
+
+
+def test_a_step_becomes_a_record_with_written_bytes_and_kv_tokens() -> None:
+    steps: list[StepRecord] = []
+    forward = StepForwarder()
+    forward.sink = steps.append
+    logger(forward).record(scheduler_stats(1, 300, 4, 4), None)
+    (step,) = steps
+    assert (step.prefill_tokens, step.decode_tokens, step.kind) == (300, 4, "mixed")
+    assert step.elapsed_seconds == 0.04
+    assert step.written_bytes == 1e6
+    # Half of 100 blocks × 16 tokens in use.
+    assert step.kv_cache_tokens == 800
+
+
+def test_a_request_resumed_after_preemption_recomputes_as_prefill_not_decode() -> None:
+    # vLLM counts a resumed request as "generation" (it has output tokens) while it recomputes
+    # its 120 tokens: only one token per decoding sequence is decode work.
+    steps: list[StepRecord] = []
+    forward = StepForwarder()
+    forward.sink = steps.append
+    logger(forward).record(scheduler_stats(0, 0, 4, 3 + 120), None)
+    (step,) = steps
+    assert step.decode_tokens == 4
+    assert step.prefill_tokens == 119
+
+
+def test_engine_inter_token_latencies_and_preemptions_are_forwarded() -> None:
+    seen: list[EngineIteration] = []
+    forward = StepForwarder()
+    forward.iteration_sink = seen.append
+    iteration = IterationStats()
+    iteration.inter_token_latencies_iter = [0.01, 0.5]
+    iteration.num_preempted_reqs = 1
+    logger(forward).record(None, iteration)
+    assert list(seen[0].inter_token_seconds) == [0.01, 0.5]
+    assert seen[0].preemptions == 1
+
+
+def test_nothing_raised_inside_telemetry_reaches_vllm() -> None:
+    # vLLM propagates a stat logger's exception to every request in flight.
+    registry = CollectorRegistry()
+    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
+
+    def broken(step: StepRecord) -> None:
+        raise RuntimeError("sink broke")
+
+    forward.sink = broken
+    stat_logger = logger(forward)
+    stat_logger.record(scheduler_stats(0, 0, 2, 2), None)
+    # A stats object of an unexpected shape (vLLM calls these interfaces unstable) fails in the logger itself.
+    stat_logger.record(SimpleNamespace(num_running_reqs=1), None)  # type: ignore[arg-type]  # deliberately malformed
+    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 2
