@@ -8,7 +8,8 @@
     └── EngineUnavailableError   the engine died: UNAVAILABLE
 
 `asyncio.CancelledError` or `GeneratorExit` (client went away or its deadline
-passed) is CANCELLED; anything else is INTERNAL and logged with its traceback.
+passed) is CANCELLED (the servicer's record says DEADLINE_EXCEEDED when the
+deadline had passed); anything else is INTERNAL and logged with its traceback.
 """
 
 from __future__ import annotations

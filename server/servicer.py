@@ -64,6 +64,8 @@ _FINISH_REASONS = {
 }
 
 ServicerContext = grpc.aio.ServicerContext[Any, Any]
+# The client ended the request: it went away, or its deadline passed.
+_CLIENT_ENDED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 
 
 class Admission:
@@ -168,6 +170,16 @@ class _RequestTrace:
     @property
     def has_first_token(self) -> bool:
         return self.stamps is not None and self.stamps.first_token_ts > 0.0
+
+
+# gRPC's deadline timer and the handler's reading of the remaining time disagree by a
+# little: a cancellation this close to the deadline is the deadline.
+_DEADLINE_SLACK_SECONDS = 0.05
+
+
+def _deadline_passed(context: ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS
 
 
 async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
@@ -292,6 +304,9 @@ class InferenceServicer:
                         self._report_first_token(trace)
         except BaseException as exc:
             code = status_for(exc)
+            if code is grpc.StatusCode.CANCELLED and _deadline_passed(context):
+                # gRPC cancels the handler either way: the record says which it was.
+                code = grpc.StatusCode.DEADLINE_EXCEEDED
             error = exc
             raise
         finally:
@@ -306,7 +321,7 @@ class InferenceServicer:
                 PhaseRecord(
                     model=model,
                     code=code.name,
-                    finish_reason=trace.finish_reason or ("abort" if code is grpc.StatusCode.CANCELLED else "error"),
+                    finish_reason=trace.finish_reason or ("abort" if code in _CLIENT_ENDED else "error"),
                     prompt_tokens=trace.prompt_tokens,
                     cached_prompt_tokens=trace.cached_prompt_tokens,
                     completion_tokens=trace.completion_tokens,

@@ -83,7 +83,8 @@ class StepMetrics(Collector):
         )
         self.written_bytes = Counter(
             "phasescope_model_written_bytes",
-            "Bytes the engine's steps wrote to device memory (new KV entries), per phase.",
+            "Bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
+            "decode pays its tokens' KV, the prefill chunk the rest.",
             labels,
             registry=registry,
         )

@@ -12,11 +12,11 @@ chunks scheduled beside running decodes) each phase is charged its marginal
 cost, so that neither phase's operating point is contaminated by the other's:
 - FLOPs ≈ 2 × parameters per token in either phase, so they are split by
   token count.
-- Bytes read: decode pays what a decode-only step of its batch would read —
-  the weights once, plus its sequences' KV cache; the prefill chunk pays only
-  what it adds (the KV of its own tokens). The decoding sequences' KV is
-  estimated as the cache in use less the chunk's tokens.
-- Bytes written (each token's new KV) are split by token count.
+- Bytes read: decode pays what a decode-only step of its batch would read by
+  the cost model — the weights once, plus its sequences' KV cache (estimated
+  as the cache in use less the chunk's tokens), at most the step's total; the
+  prefill chunk pays the rest, everything it adds (its KV, its activations).
+- Bytes written: decode pays its new tokens' KV entries; the chunk the rest.
 - Time is split in proportion to each phase's roofline time for the work it
   was charged (max of bytes ÷ peak bandwidth and FLOPs ÷ peak FLOP/s).
 """
@@ -170,12 +170,14 @@ def attribute_step(
     kind = step.kind
     if kind == "mixed":
         token_share = step.decode_tokens / total_tokens
-        # Decode pays the weights and its own sequences' KV; the chunk only what it adds.
+        # Decode pays what a decode-only step of its batch would move: the weights once and
+        # its own sequences' KV (by the cost model, at most the step's total); the chunk pays
+        # the rest, everything it adds (its KV, its activations).
         decode_kv_tokens = max(0, step.kv_cache_tokens - step.prefill_tokens)
-        decode_read = cost.weight_bytes + decode_kv_tokens * cost.kv_cache_bytes_per_token
-        read_share = min(1.0, decode_read / model_read) if model_read else token_share
-        decode_flops, decode_read_bytes = flops * token_share, read_bytes * read_share
-        decode_written = written_bytes * token_share
+        decode_alone_read = cost.weight_bytes + decode_kv_tokens * cost.kv_cache_bytes_per_token
+        decode_read_bytes = min(read_bytes, decode_alone_read)
+        decode_written = min(written_bytes, step.decode_tokens * cost.kv_cache_bytes_per_token)
+        decode_flops = flops * token_share
         prefill_flops, prefill_read_bytes = flops - decode_flops, read_bytes - decode_read_bytes
         prefill_written = written_bytes - decode_written
 

@@ -65,18 +65,6 @@ def test_stream_delivers_tokens_before_the_request_ends(client: PhasescopeClient
     assert arrivals[-1] - arrivals[0] > 0
 
 
-def wait_until_engine_idle(server, timeout: float = 5.0) -> tuple[float, float]:
-    deadline = time.monotonic() + timeout
-    running = in_flight = -1.0
-    while time.monotonic() < deadline:
-        running = server.sample_sum("vllm:num_requests_running") + server.sample_sum("vllm:num_requests_waiting")
-        in_flight = server.sample_sum("phasescope_requests_in_flight")
-        if running == 0 and in_flight == 0:
-            break
-        time.sleep(0.05)
-    return running, in_flight
-
-
 def test_cancelled_stream_frees_the_engine(server: ServerProcess, client: PhasescopeClient) -> None:
     cancelled_before = server.sample_sum("phasescope_requests_total", code="CANCELLED")
     stream = client.generate_stream(build_request(prompt="Tell me a long story.", max_tokens=1000, ignore_eos=True))
@@ -87,8 +75,8 @@ def test_cancelled_stream_frees_the_engine(server: ServerProcess, client: Phases
     cancelled_at = time.monotonic()
     # Left alone, the 1,000 tokens would take over a minute: idle within 10 s means the cancel
     # reached the engine (a short bound would only measure how busy the machine is).
-    running, in_flight = wait_until_engine_idle(server, timeout=10.0)
-    assert (running, in_flight) == (0, 0), f"still running {time.monotonic() - cancelled_at:.2f} s after cancel"
+    state = server.wait_engine_idle(timeout=10.0)
+    assert not any(state.values()), f"still busy {time.monotonic() - cancelled_at:.2f} s after cancel: {state}"
     assert server.sample_sum("phasescope_requests_total", code="CANCELLED") == cancelled_before + 1
 
 
@@ -98,7 +86,7 @@ def test_deadline_mid_decode_frees_the_engine(server: ServerProcess) -> None:
             pass
     assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     # 1,500 tokens would take well over a minute: idle within 10 s means the deadline freed them.
-    assert wait_until_engine_idle(server, timeout=10.0) == (0, 0)
+    assert server.wait_engine_idle(timeout=10.0) == {"running": 0, "waiting": 0, "in_flight": 0}
 
 
 def test_concurrent_streams_are_all_served(server: ServerProcess) -> None:

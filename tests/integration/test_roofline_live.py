@@ -57,6 +57,17 @@ def gauge(samples: Samples, name: str, phase: str = "decode") -> float:
     return sum_samples(samples, name, engine="0", phase=phase)
 
 
+def device(samples: Samples, name: str) -> float:
+    return sum_samples(samples, name, engine="0")
+
+
+def present(samples: Samples, name: str, phase: str) -> bool:
+    return any(
+        series == name and dict(labels).get("phase") == phase and dict(labels).get("engine") == "0"
+        for series, labels in samples
+    )
+
+
 def decode_burst(server: ServerProcess, max_tokens: int) -> tuple[Load, Samples, float]:
     """Concurrent streams run to completion, then one scrape; returns the load, the scrape and
     the seconds from the first request sent to the scrape's answer (an upper bound on how old
@@ -69,13 +80,18 @@ def decode_burst(server: ServerProcess, max_tokens: int) -> tuple[Load, Samples,
 
 
 def test_idle_window_reads_zero_then_a_decode_burst_agrees_with_counters_and_clients(server: ServerProcess) -> None:
-    # A window with no traffic reads utilisation 0 and idleness 1: idle is not saturation.
+    # A window with no traffic: the device reads utilisation 0 and idleness 1 (idle is not
+    # saturation), and neither phase has an operating point ("no steps", not "100 % idle").
     time.sleep(WINDOW_SECONDS + 0.5)
     idle = server.samples()
-    assert gauge(idle, "phasescope_memory_bandwidth_utilization_ratio") == 0
-    assert gauge(idle, "phasescope_compute_utilization_ratio") == 0
-    assert gauge(idle, "phasescope_compute_idle_ratio") == 1
-    assert gauge(idle, "phasescope_tokens_per_second") == 0
+    assert device(idle, "phasescope_device_memory_bandwidth_utilization_ratio") == 0
+    assert device(idle, "phasescope_device_compute_utilization_ratio") == 0
+    assert device(idle, "phasescope_device_compute_idle_ratio") == 1
+    assert device(idle, "phasescope_engine_busy_ratio") == 0
+    for phase in ("prefill", "decode"):
+        assert not present(idle, "phasescope_memory_bandwidth_utilization_ratio", phase)
+        assert not present(idle, "phasescope_arithmetic_intensity_flops_per_byte", phase)
+        assert gauge(idle, "phasescope_tokens_per_second", phase) == 0
     # A burst that lies wholly inside the gauges' window, so the window holds exactly its steps
     # and the figures can be compared exactly, whatever the machine's speed. A slow machine
     # gets a shorter burst rather than a looser comparison.
@@ -108,7 +124,12 @@ def test_idle_window_reads_zero_then_a_decode_burst_agrees_with_counters_and_cli
     # Decode reads memory and leaves compute mostly idle; the model cannot exceed the measured
     # bandwidth by much (caches can serve part of the weights on a CPU).
     assert 0 < gauge(burst, "phasescope_memory_bandwidth_utilization_ratio") <= 1.2
-    assert 0 <= gauge(burst, "phasescope_compute_idle_ratio") < 1
+    assert 0 < device(burst, "phasescope_device_compute_idle_ratio") < 1
+    # The device holds every phase: at least each phase's part.
+    for phase in ("prefill", "decode"):
+        assert device(burst, "phasescope_device_memory_bandwidth_utilization_ratio") >= gauge(
+            burst, "phasescope_memory_bandwidth_utilization_ratio", phase
+        )
     # The streams decoded together: steps carried more than one sequence on average.
     assert sum_samples(burst, "phasescope_decode_batch_size", engine="0") > 1
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -12,21 +11,6 @@ import psutil
 
 from server.client import build_request
 from support.servers import ServerProcess
-
-
-def wait_engine_idle(server: ServerProcess, timeout: float = 20.0) -> dict[str, float]:
-    deadline = time.monotonic() + timeout
-    state: dict[str, float] = {}
-    while time.monotonic() < deadline:
-        state = {
-            "running": server.sample_sum("phasescope_engine_requests", state="running"),
-            "waiting": server.sample_sum("phasescope_engine_requests", state="waiting"),
-            "in_flight": server.sample_sum("phasescope_requests_in_flight"),
-        }
-        if not any(state.values()):
-            break
-        time.sleep(0.1)
-    return state
 
 
 def rss_bytes(server: ServerProcess) -> int:
@@ -66,7 +50,7 @@ def test_storm_of_cancelled_streams_and_expired_deadlines_leaves_nothing_behind(
     # Deadlines mid-decode end as DEADLINE_EXCEEDED; nothing ends as an internal error.
     assert "INTERNAL" not in outcomes
     assert outcomes.count("DEADLINE_EXCEEDED") >= 30
-    assert wait_engine_idle(server) == {"running": 0, "waiting": 0, "in_flight": 0}
+    assert server.wait_engine_idle() == {"running": 0, "waiting": 0, "in_flight": 0}
     # Memory comes back near where it was: no per-request leak (200 requests would show).
     assert rss_bytes(server) - rss_before < 300 * 2**20
     with server.client() as client:
@@ -86,4 +70,4 @@ def test_a_client_that_stops_reading_does_not_block_others(server: ServerProcess
                 response = client.generate(build_request(prompt=f"Meanwhile {index}:", max_tokens=8, ignore_eos=True))
                 assert response.usage.completion_tokens == 8
         stalled.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
-    assert wait_engine_idle(server) == {"running": 0, "waiting": 0, "in_flight": 0}
+    assert server.wait_engine_idle() == {"running": 0, "waiting": 0, "in_flight": 0}

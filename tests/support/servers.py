@@ -102,6 +102,22 @@ class ServerProcess:
         """Sum of a series over every label set that includes `labels`."""
         return sum_samples(self.samples(), name, **labels)
 
+    def wait_engine_idle(self, timeout: float = 20.0) -> dict[str, float]:
+        """Poll until the engine runs and queues nothing and no request is in flight; returns the last state."""
+        deadline = time.monotonic() + timeout
+        state: dict[str, float] = {}
+        while time.monotonic() < deadline:
+            samples = self.samples()
+            state = {
+                "running": sum_samples(samples, "phasescope_engine_requests", state="running"),
+                "waiting": sum_samples(samples, "phasescope_engine_requests", state="waiting"),
+                "in_flight": sum_samples(samples, "phasescope_requests_in_flight"),
+            }
+            if not any(state.values()):
+                break
+            time.sleep(0.05)
+        return state
+
     def log_tail(self, lines: int = 60) -> str:
         self._log.flush()
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])

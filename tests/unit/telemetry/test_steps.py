@@ -85,12 +85,30 @@ def test_in_a_mixed_step_decode_pays_the_weights_and_its_kv_and_the_chunk_its_ma
 
 def test_decode_operating_point_is_the_same_with_or_without_a_chunk_beside_it() -> None:
     # The defect this guards: token-share splitting gave decode the whole step's intensity, so
-    # decode plotted as compute-bound whenever prompts kept arriving.
+    # decode plotted as compute-bound whenever prompts kept arriving. The engine's estimates
+    # here include what a chunk adds besides its KV (activations: 20 kB per token each way).
     bandwidth = PEAKS.memory_bandwidth_bytes_per_second
-    alone = attribute_step(decode_step(64, kv_tokens=6_400), COST, bandwidth, 1e12).shares["decode"]
-    mixed = attribute_step(StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_912), COST, bandwidth, 1e12)
-    beside = mixed.shares["decode"]
+    decode_only = StepRecord(
+        0, 0, 0, 64, 64, 0.05, flops=64 * 2e6, read_bytes=4e6 + 6_400 * KV, written_bytes=64 * KV, kv_cache_tokens=6_400
+    )
+    with_chunk = StepRecord(
+        0,
+        1,
+        512,
+        64,
+        64,
+        0.4,
+        flops=576 * 2e6,
+        read_bytes=4e6 + 6_912 * KV + 512 * 20_000,
+        written_bytes=576 * KV + 512 * 20_000,
+        kv_cache_tokens=6_912,
+    )
+    alone = attribute_step(decode_only, COST, bandwidth, 1e12).shares["decode"]
+    beside = attribute_step(with_chunk, COST, bandwidth, 1e12).shares["decode"]
     assert beside.flops / beside.moved_bytes == pytest.approx(alone.flops / alone.moved_bytes, rel=0.15)
+    # The chunk carries everything it added.
+    chunk = attribute_step(with_chunk, COST, bandwidth, 1e12).shares["prefill"]
+    assert chunk.read_bytes == pytest.approx(512 * KV + 512 * 20_000)
 
 
 def test_window_reports_decode_saturation_then_idle_without_phantom_phases() -> None:

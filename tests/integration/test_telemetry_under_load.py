@@ -1,0 +1,203 @@
+"""The figures stay true where operators look at them: overload, chunked prefill, long generations.
+
+Each test drives the real engine into the regime and compares what phasescope
+exports with what the clients saw and with vLLM's own series.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+
+import grpc
+import pytest
+
+from server.client import build_request
+from support.servers import ServerProcess
+from telemetry.exposition import Samples, sum_samples
+
+IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
+
+
+def distinct_prompt(length: int, seed: int) -> list[int]:
+    """Token ids no other request shares, so the prefix cache computes every one."""
+    rng = random.Random(seed)
+    return [rng.randrange(1_000, 40_000) for _ in range(length)]
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
+
+
+def ttft_slo_misses(samples: Samples, threshold: str = "2.0") -> float:
+    """The PhasescopeTTFTSLOBurn expression's numerator, as a count: late first tokens + none at all."""
+    late = sum_samples(samples, "phasescope_time_to_first_token_seconds_count") - sum_samples(
+        samples, "phasescope_time_to_first_token_seconds_bucket", le=threshold
+    )
+    return late + sum_samples(samples, "phasescope_requests_without_first_token_total")
+
+
+def test_requests_that_die_mid_prefill_are_observed_and_miss_the_ttft_slo(server: ServerProcess) -> None:
+    assert server.wait_engine_idle() == IDLE
+    before = server.samples()
+    n = 3
+    # A 300-token prompt takes the engine well over a second to prefill on a CPU: a 0.3 s
+    # deadline ends each request before its first token, in the queue or mid-prefill.
+    codes = []
+    for index in range(n):
+        request = build_request(token_ids=distinct_prompt(300, seed=index), max_tokens=4)
+        with server.client(timeout_seconds=0.3) as client, pytest.raises(grpc.RpcError) as caught:
+            client.generate(request)
+        codes.append(caught.value.code())
+    assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * n
+    # The engine core finishes a step it began before it sees an abort, and reports the step
+    # then. It runs requests in order, so once a later request is answered every step of the
+    # abandoned ones has been reported.
+    barrier = [7, 8, 9, 10, 11]
+    with server.client() as client:
+        client.generate(build_request(token_ids=barrier, max_tokens=1))
+    assert server.wait_engine_idle(timeout=60) == IDLE
+    after = server.samples()
+
+    assert delta(after, before, "phasescope_requests_without_first_token_total", code="DEADLINE_EXCEEDED") == n
+    assert delta(after, before, "phasescope_requests_total", code="DEADLINE_EXCEEDED", finish_reason="abort") == n
+    # The TTFT SLO counts each as a miss, though none has a TTFT.
+    assert ttft_slo_misses(after) - ttft_slo_misses(before) == n
+    assert delta(after, before, "phasescope_time_to_first_token_seconds_count") == 1  # the barrier
+    # Their time before the first token is observed: the frontend stage and, since the engine
+    # stamps nothing before a first token, queue and prefill together as "abandoned".
+    assert delta(after, before, "phasescope_request_phase_seconds_count", phase="frontend") == n + 1  # and the barrier
+    assert delta(after, before, "phasescope_request_phase_seconds_count", phase="abandoned") == n
+    abandoned_seconds = delta(after, before, "phasescope_request_phase_seconds_sum", phase="abandoned")
+    assert 0 < abandoned_seconds <= n * 0.3
+    # Prompts never answered are not counted as prefill tokens, exactly as vLLM counts them...
+    prefill_tokens = delta(after, before, "phasescope_tokens_total", phase="prefill")
+    assert prefill_tokens == delta(after, before, "vllm:prompt_tokens_total")
+    # ...while the chunk the engine did compute for the first (the others died queued behind
+    # it) is in the step series, beside the barrier's prompt.
+    assert delta(after, before, "phasescope_engine_step_tokens_total", phase="prefill") >= 300 + len(barrier)
+
+
+class DecodingStreams:
+    """Streams that decode in the background until stopped (each cancelled at the end)."""
+
+    def __init__(self, server: ServerProcess, count: int) -> None:
+        self._stop = threading.Event()
+        self._started = threading.Barrier(count + 1)
+        self.errors: list[BaseException] = []
+        self._threads = [threading.Thread(target=self._run, args=(server, index)) for index in range(count)]
+        for thread in self._threads:
+            thread.start()
+        self._started.wait(120)
+
+    def _run(self, server: ServerProcess, index: int) -> None:
+        first = True
+        try:
+            with server.client() as client:
+                stream = client.generate_stream(
+                    build_request(prompt=f"Essay {index}:", max_tokens=1_500, ignore_eos=True)
+                )
+                for _ in stream:
+                    if first:
+                        first = False
+                        self._started.wait(120)
+                    if self._stop.is_set():
+                        stream.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+                        break
+        except BaseException as exc:
+            self.errors.append(exc)
+            if first:
+                self._started.abort()
+
+    def stop(self) -> None:
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(60)
+
+
+def decode_intensity(after: Samples, before: Samples) -> float:
+    flops = delta(after, before, "phasescope_model_flops_total", phase="decode")
+    moved = delta(after, before, "phasescope_model_bytes_read_total", phase="decode") + delta(
+        after, before, "phasescope_model_written_bytes_total", phase="decode"
+    )
+    return flops / moved
+
+
+def test_decode_operating_point_holds_while_prompts_keep_arriving(server: ServerProcess) -> None:
+    assert server.wait_engine_idle() == IDLE
+    decoders = DecodingStreams(server, 4)
+    try:
+        # Decode only, four sequences.
+        start = server.samples()
+        time.sleep(2.0)
+        decode_only = server.samples()
+        # The same four decoding while long prompts arrive back to back: chunked prefill
+        # schedules each beside the decodes, in mixed steps.
+        with server.client() as client:
+            for index in range(3):
+                client.generate(build_request(token_ids=distinct_prompt(250, seed=100 + index), max_tokens=1))
+        mixed = server.samples()
+    finally:
+        decoders.stop()
+    assert not decoders.errors
+    assert server.wait_engine_idle(timeout=60) == IDLE
+    assert delta(mixed, decode_only, "phasescope_engine_steps_total", kind="mixed") >= 3
+    assert delta(decode_only, start, "phasescope_engine_steps_total", kind="mixed") == 0
+    # Decode is charged what a decode-only step of its batch moves: its intensity does not
+    # jump towards the prompts' (token-share splitting made it ~2× here).
+    assert decode_intensity(mixed, decode_only) == pytest.approx(decode_intensity(decode_only, start), rel=0.15)
+    # The device holds both phases: at least each phase's part.
+    device = sum_samples(mixed, "phasescope_device_memory_bandwidth_utilization_ratio", engine="0")
+    for phase in ("prefill", "decode"):
+        assert (
+            device >= sum_samples(mixed, "phasescope_memory_bandwidth_utilization_ratio", engine="0", phase=phase) > 0
+        )
+    # Inter-token latencies are the engine's own: the same gaps vLLM counts.
+    end = server.samples()
+    assert delta(end, start, "phasescope_inter_token_latency_seconds_count") == delta(
+        end, start, "vllm:inter_token_latency_seconds_count"
+    )
+    assert delta(end, start, "phasescope_inter_token_latency_seconds_sum") == pytest.approx(
+        delta(end, start, "vllm:inter_token_latency_seconds_sum"), rel=1e-6
+    )
+    assert delta(end, start, "phasescope_tokens_total", phase="decode") == delta(
+        end, start, "vllm:generation_tokens_total"
+    )
+
+
+def test_a_long_generation_is_counted_while_it_streams(server: ServerProcess) -> None:
+    assert server.wait_engine_idle() == IDLE
+    before = server.samples()
+    with server.client() as client:
+        stream = client.generate_stream(build_request(prompt="A long tale:", max_tokens=1_000, ignore_eos=True))
+        received = 0
+        for chunk in stream:
+            received += len(chunk.token_ids)
+            if received >= 8:
+                break
+        during = server.samples()
+        stream.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+    # Long before its end: its first token's stages are observed and its tokens counted.
+    assert delta(during, before, "phasescope_time_to_first_token_seconds_count") == 1
+    assert delta(during, before, "phasescope_client_time_to_first_token_seconds_count") == 1
+    assert delta(during, before, "phasescope_request_phase_seconds_count", phase="prefill") == 1
+    assert delta(during, before, "phasescope_tokens_total", phase="decode") >= received
+    assert delta(during, before, "phasescope_request_phase_seconds_count", phase="decode") == 0
+    assert server.wait_engine_idle(timeout=10) == IDLE
+
+
+def test_timings_start_at_handler_entry_and_tile_to_the_end(server: ServerProcess) -> None:
+    with server.client() as client:
+        chunks = list(client.generate_stream(build_request(chat=[("user", "Name a colour.")], max_tokens=6)))
+    t = chunks[-1].timings
+    assert t.frontend_seconds > 0
+    # frontend + queue + prefill + decode = last token − handler entry = E2E, on one clock.
+    assert t.frontend_seconds + t.queue_seconds + t.prefill_seconds + t.decode_seconds == pytest.approx(
+        t.e2e_seconds, abs=1e-6
+    )
+    assert t.time_to_first_token_seconds == pytest.approx(
+        t.frontend_seconds + t.queue_seconds + t.prefill_seconds, abs=1e-6
+    )
+    # The client's first chunk is written after the engine produced its token.
+    assert t.client_time_to_first_token_seconds >= t.time_to_first_token_seconds
