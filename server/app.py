@@ -90,7 +90,7 @@ class Server:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
         tracing = build_tracing(settings)
         telemetry_errors = TelemetryErrors(model_name, self.registry)
-        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry)]
+        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry, model_name)]
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing is not None:
             observers.append(tracing.observer)

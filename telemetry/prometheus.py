@@ -21,8 +21,14 @@ REQUEST_SECONDS_BUCKETS = (
 )  # fmt: skip
 
 
+# How an admitted request can end before its first token.
+_UNANSWERED_CODES = ("CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL")
+
+
 class PrometheusRequestObserver:
-    def __init__(self, registry: CollectorRegistry) -> None:
+    def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
+        """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
+        its expression evaluates before the first request has missed or even run."""
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             "Time a request spent in each stage, on one monotonic clock: frontend = engine arrival - handler "
@@ -86,6 +92,10 @@ class PrometheusRequestObserver:
             ["model", "reason"],
             registry=registry,
         )
+        if model is not None:
+            self.time_to_first_token_seconds.labels(model)
+            for code in _UNANSWERED_CODES:
+                self.without_first_token.labels(model, code)
 
     def request_started(self, model: str) -> None:
         self.requests_in_flight.labels(model).inc()

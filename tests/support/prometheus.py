@@ -64,6 +64,11 @@ class PrometheusServer:
     def query(self, expr: str) -> dict[str, Any]:
         return self.api("query", query=expr)
 
+    def query_range(self, expr: str, seconds: float, step: float = 1.0) -> dict[str, Any]:
+        """`expr` over the last `seconds`, as a dashboard's time series panel asks for it."""
+        end = time.time()
+        return self.api("query_range", query=expr, start=f"{end - seconds:.3f}", end=f"{end:.3f}", step=f"{step:g}")
+
     def stop(self) -> None:
         self.process.terminate()
         try:
