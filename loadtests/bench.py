@@ -324,23 +324,36 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
         return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
 
     view: dict[str, float] = {}
-    for phase in ("queue", "prefill", "decode"):
+    for phase in ("frontend", "queue", "prefill", "decode"):
         count = delta("phasescope_request_phase_seconds_count", phase=phase)
         total = delta("phasescope_request_phase_seconds_sum", phase=phase)
         view[f"server_mean_{phase}_ms"] = total / count * 1e3 if count else 0.0
+    view["server_requests_without_first_token"] = delta("phasescope_requests_without_first_token_total")
     peak_bandwidth = sum_samples(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
     peak_flops = sum_samples(after, "phasescope_hardware_peak_flops")
     # Over the point's wall time, per engine average (peaks are per engine).
     engines = max(1, len({dict(ls).get("engine") for (n, ls) in after if n == "phasescope_engine_requests"}))
+
+    def bandwidth_saturation(moved: float) -> float:
+        return moved / duration / engines / peak_bandwidth if peak_bandwidth else 0.0
+
+    def compute_utilization(flops: float) -> float:
+        return flops / duration / engines / peak_flops if peak_flops else 0.0
+
+    device_moved = device_flops = 0.0
     for phase in ("prefill", "decode"):
         view[f"server_{phase}_tokens_per_second"] = delta("phasescope_tokens_total", phase=phase) / duration
-        moved = delta("phasescope_model_bytes_read_total", phase=phase)
-        flops = delta("phasescope_model_flops_total", phase=phase)
-        view[f"server_{phase}_bandwidth_saturation"] = (
-            moved / duration / engines / peak_bandwidth if peak_bandwidth else 0
+        moved = delta("phasescope_model_bytes_read_total", phase=phase) + delta(
+            "phasescope_model_written_bytes_total", phase=phase
         )
-        utilization = flops / duration / engines / peak_flops if peak_flops else 0.0
-        view[f"server_{phase}_compute_idleness"] = 1.0 - utilization
+        flops = delta("phasescope_model_flops_total", phase=phase)
+        device_moved, device_flops = device_moved + moved, device_flops + flops
+        # Each phase's part of the device's figures (docs/metrics.md).
+        view[f"server_{phase}_bandwidth_saturation"] = bandwidth_saturation(moved)
+        view[f"server_{phase}_compute_utilization"] = compute_utilization(flops)
+    view["server_device_bandwidth_saturation"] = bandwidth_saturation(device_moved)
+    # Compute idleness is the device's: 1 − MFU of all steps.
+    view["server_device_compute_idleness"] = 1.0 - compute_utilization(device_flops)
     return view
 
 
@@ -555,8 +568,8 @@ def plot(results: list[dict[str, Any]], out: Path) -> list[Path]:
         figure, axes = plt.subplots(figsize=(7, 4.5), dpi=100)
         labels = [f"{r['value']:g}" for r in rows]
         bottom = [0.0] * len(rows)
-        for phase in ("queue", "prefill", "decode"):
-            values = [r[f"server_mean_{phase}_ms"] for r in rows]
+        for phase in ("frontend", "queue", "prefill", "decode"):
+            values = [r.get(f"server_mean_{phase}_ms", 0.0) for r in rows]
             axes.bar(labels, values, bottom=bottom, label=phase)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         axes.set_xlabel("load")

@@ -74,6 +74,7 @@ def _format_timings(response_timings: object) -> str:
     assert isinstance(response_timings, pb.Timings)
     t = response_timings
     return (
+        f"frontend {t.frontend_seconds * 1e3:.1f} ms | intake {t.intake_seconds * 1e3:.1f} ms | "
         f"queue {t.queue_seconds * 1e3:.1f} ms | prefill {t.prefill_seconds * 1e3:.1f} ms | "
         f"decode {t.decode_seconds * 1e3:.1f} ms | TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms | "
         f"e2e {t.e2e_seconds * 1e3:.1f} ms | TPOT {t.mean_inter_token_seconds * 1e3:.1f} ms | "

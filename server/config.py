@@ -52,7 +52,7 @@ class Settings:
     enforce_eager: bool = False
     """Skip graph capture and torch.compile: starts much faster, runs somewhat slower."""
     kv_cache_gib: float | None = None
-    """Memory for the KV cache in GiB; unset: vLLM's default for the device."""
+    """Memory for the KV cache in GiB; unset: 2 on a CPU, vLLM's default on a GPU."""
     dtype: str = "auto"
     """Weight and activation dtype (auto, bfloat16, float16, float32); auto: float32 on CPU, else the checkpoint's."""
     tensor_parallel_size: int = 1

@@ -131,6 +131,7 @@ def _timings_message(timings: PhaseTimings) -> pb.Timings:
         decode_tokens_per_second=timings.decode_tokens_per_second or 0.0,
         frontend_seconds=timings.frontend_seconds or 0.0,
         client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
+        intake_seconds=timings.intake_seconds or 0.0,
     )
 
 

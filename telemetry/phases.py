@@ -73,6 +73,9 @@ class PhaseTimings:
     mean_inter_token_seconds: float | None
     decode_tokens_per_second: float | None
     client_time_to_first_token_seconds: float | None = None
+    intake_seconds: float | None = None
+    """Hand-off → queued: vLLM's input processing, the hop to the engine core, and the wait for
+    the core to take the request in (it does so between steps: under load, up to a step)."""
     abandoned_seconds: float | None = None
     """For a request that ended before its first token: hand-off to the engine → end.
     The engine stamps nothing before a request's first token, so this time in queue or
@@ -98,14 +101,16 @@ def _interval(name: str, start: float, end: float) -> float | None:
 def derive_phase_timings(
     front: FrontendTimestamps, engine: EngineTimestamps | None, completion_tokens: int
 ) -> PhaseTimings:
-    """Split a request into frontend, queue, prefill and decode (vLLM's definitions for the engine's phases)."""
+    """Split a request into frontend, intake, queue, prefill and decode (vLLM's definitions for the engine's phases)."""
     queued = engine.queued_ts if engine is not None else 0.0
     first_token = engine.first_token_ts if engine is not None else 0.0
     last_token = engine.last_token_ts if engine is not None else 0.0
-    # Frontend = engine arrival − handler entry: validation, chat templating, tokenisation,
-    # admission and the hop to the engine core. Without engine stamps, its arrival is the
-    # front end's hand-off.
-    frontend = _interval("frontend", front.entry, queued or front.handed_to_engine)
+    # Frontend = hand-off to the engine − handler entry: validation, chat templating,
+    # tokenisation and admission, the front end's own work.
+    frontend = _interval("frontend", front.entry, front.handed_to_engine)
+    # Intake = queued − hand-off: the engine client's input processing, the hop to the engine
+    # core, and the wait for the core to take the request in between two steps.
+    intake = _interval("intake", front.handed_to_engine, queued)
     queue = prefill = decode = None
     if engine is not None:
         # Queue interval is from QUEUED to first SCHEDULED.
@@ -116,7 +121,7 @@ def derive_phase_timings(
         # Decode interval is from first NEW_TOKEN to last NEW_TOKEN.
         decode = _interval("decode", first_token, last_token)
     # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
-    # the frontend stage (vLLM's own start later, at its arrival stamp, after tokenising).
+    # the frontend and intake stages (vLLM's own start later, at its arrival stamp).
     ttft = _interval("time to first token", front.entry, first_token)
     e2e = _interval("end-to-end", front.entry, last_token)
     # Client TTFT = first chunk written − handler entry: what a streaming client waited.
@@ -142,6 +147,7 @@ def derive_phase_timings(
         mean_inter_token_seconds=mean_inter_token,
         decode_tokens_per_second=decode_tokens_per_second,
         client_time_to_first_token_seconds=client_ttft,
+        intake_seconds=intake,
         abandoned_seconds=abandoned,
     )
 
@@ -171,7 +177,7 @@ class FirstTokenRecord:
 
     model: str
     timings: PhaseTimings
-    """frontend, queue, prefill and TTFT (client TTFT for a stream whose first chunk is written)."""
+    """frontend, intake, queue, prefill and TTFT (client TTFT for a stream whose first chunk is written)."""
     prefill_tokens_computed: int
     """Prompt tokens the engine ran through prefill (prefix-cache hits excluded)."""
     streaming: bool

@@ -31,9 +31,10 @@ class PrometheusRequestObserver:
         its expression evaluates before the first request has missed or even run."""
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
-            "Time a request spent in each stage, on one monotonic clock: frontend = engine arrival - handler "
-            "entry, queue = scheduled - queued, prefill = first token - scheduled, decode = last token - first "
-            "token; abandoned = hand-off to the engine - end, for a request that ended before its first token.",
+            "Time a request spent in each stage, on one monotonic clock: frontend = hand-off to the engine - "
+            "handler entry, intake = queued - hand-off, queue = scheduled - queued, prefill = first token - "
+            "scheduled, decode = last token - first token; abandoned = end - hand-off, for a request that ended "
+            "before its first token.",
             ["model", "phase"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
@@ -109,6 +110,7 @@ class PrometheusRequestObserver:
         self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
         for phase, seconds in (
             ("frontend", timings.frontend_seconds),
+            ("intake", timings.intake_seconds),
             ("queue", timings.queue_seconds),
             ("prefill", timings.prefill_seconds),
         ):

@@ -3,7 +3,7 @@
 The gRPC server span comes from opentelemetry-instrumentation-grpc's aio
 interceptor (its parent is the caller's W3C `traceparent`). Under it,
 `TracingObserver` adds a request span whose children tile it: `frontend`
-(handler entry to engine arrival), then `queue`, `prefill` and `decode` at
+(handler entry to hand-off), `intake` (hand-off to the engine's queue), then `queue`, `prefill` and `decode` at
 the engine's own timestamps, or `abandoned` for a request that ended before
 its first token. Each request's monotonic readings are placed on the wall
 clock by the offset read at its own entry (telemetry.phases).
@@ -144,7 +144,13 @@ class TracingObserver:
 
         context = trace.set_span_in_context(span)
         phases: tuple[tuple[str, float | None, float | None, dict[str, float | None]], ...] = (
-            ("frontend", entry, queued or handed, {"phasescope.frontend_seconds": timings.frontend_seconds}),
+            ("frontend", entry, handed, {"phasescope.frontend_seconds": timings.frontend_seconds}),
+            (
+                "intake",
+                handed if queued is not None else None,
+                queued,
+                {"phasescope.intake_seconds": timings.intake_seconds},
+            ),
             ("queue", queued, scheduled, {"phasescope.queue_seconds": timings.queue_seconds}),
             ("prefill", scheduled, first_token, {"phasescope.prefill_seconds": timings.prefill_seconds}),
             (

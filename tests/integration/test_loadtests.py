@@ -75,7 +75,8 @@ def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_pa
         assert len(point["records"]) == 3
         # The server's own view of the same window.
         assert point["server_decode_tokens_per_second"] > 0
-        assert 0 <= point["server_decode_compute_idleness"] <= 1
+        assert 0 < point["server_device_compute_idleness"] <= 1
+        assert 0 < point["server_decode_bandwidth_saturation"] <= point["server_device_bandwidth_saturation"]
     assert set(report["formulas"]) >= {"ttft", "tpot", "itl", "e2el"}
     for name in ("throughput.png", "pareto.png", "latency.png", "phases.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name

@@ -18,7 +18,7 @@ def seconds(span: trace_pb2.Span) -> float:
     return (span.end_time_unix_nano - span.start_time_unix_nano) / 1e9
 
 
-def test_streamed_request_continues_the_callers_trace_with_four_stage_spans(
+def test_streamed_request_continues_the_callers_trace_with_its_stage_spans(
     client: PhasescopeClient, otlp_receiver: OtlpReceiver
 ) -> None:
     traceparent, trace_id = new_traceparent()
@@ -29,7 +29,7 @@ def test_streamed_request_continues_the_callers_trace_with_four_stage_spans(
         )
     )
     timings = chunks[-1].timings
-    # server span + request span + frontend, queue, prefill, decode.
+    # server span + request span + frontend, intake, queue, prefill, decode.
     spans = otlp_receiver.wait_for(trace_id, 5)
     server_span = next(span for span in spans if span.kind == trace_pb2.Span.SPAN_KIND_SERVER)
     assert server_span.name == "/phasescope.v1.Inference/GenerateStream"
@@ -39,9 +39,10 @@ def test_streamed_request_continues_the_callers_trace_with_four_stage_spans(
     children = sorted(
         (span for span in spans if span.parent_span_id == request_span.span_id), key=lambda s: s.start_time_unix_nano
     )
-    assert [span.name for span in children] == ["frontend", "queue", "prefill", "decode"]
-    frontend, queue, prefill, decode = children
+    assert [span.name for span in children] == ["frontend", "intake", "queue", "prefill", "decode"]
+    frontend, intake, queue, prefill, decode = children
     assert seconds(frontend) == pytest.approx(timings.frontend_seconds, abs=1e-3)
+    assert seconds(intake) == pytest.approx(timings.intake_seconds, abs=1e-3)
     assert seconds(queue) == pytest.approx(timings.queue_seconds, abs=1e-3)
     assert seconds(prefill) == pytest.approx(timings.prefill_seconds, abs=1e-3)
     assert seconds(decode) == pytest.approx(timings.decode_seconds, abs=1e-3)

@@ -284,6 +284,7 @@ class Timings(_message.Message):
     DECODE_TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     FRONTEND_SECONDS_FIELD_NUMBER: _builtins.int
     CLIENT_TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
+    INTAKE_SECONDS_FIELD_NUMBER: _builtins.int
     queue_seconds: _builtins.float
     """Every interval is on one monotonic clock: the engine core's stamps compared
     with the front end's own readings for this request (docs/metrics.md).
@@ -294,7 +295,7 @@ class Timings(_message.Message):
     decode_seconds: _builtins.float
     """last token - first token."""
     time_to_first_token_seconds: _builtins.float
-    """first token (engine) - handler entry: includes the frontend stage."""
+    """first token (engine) - handler entry: includes the frontend and intake stages."""
     e2e_seconds: _builtins.float
     """last token (engine) - handler entry."""
     mean_inter_token_seconds: _builtins.float
@@ -302,13 +303,18 @@ class Timings(_message.Message):
     decode_tokens_per_second: _builtins.float
     """(completion tokens - 1) / decode; 0 with fewer than two tokens."""
     frontend_seconds: _builtins.float
-    """engine arrival (queued) - handler entry: validation, chat templating,
-    tokenisation, admission and the hop to the engine core.
+    """hand-off to the engine - handler entry: validation, chat templating,
+    tokenisation and admission (the front end's own work).
     """
     client_time_to_first_token_seconds: _builtins.float
     """first chunk written - handler entry: what a streaming client waited for its
     first token. For a unary Generate, or a stream whose first chunk is also its
     last, the moment that chunk was handed to gRPC.
+    """
+    intake_seconds: _builtins.float
+    """queued - hand-off: the engine client's input processing, the hop to the
+    engine core and the wait for the core to take the request in (between two
+    steps: under load, up to one step).
     """
     def __init__(
         self,
@@ -322,10 +328,11 @@ class Timings(_message.Message):
         decode_tokens_per_second: _builtins.float = ...,
         frontend_seconds: _builtins.float = ...,
         client_time_to_first_token_seconds: _builtins.float = ...,
+        intake_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_seconds", b"decode_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_seconds", b"decode_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

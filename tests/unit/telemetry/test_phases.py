@@ -20,8 +20,9 @@ def test_phases_follow_vllm_definitions_and_start_at_handler_entry() -> None:
     timings = derive_phase_timings(
         front(999.990, handed=999.995, written=1001.002), stamps(1000.0, 1000.5, 1001.0, 1003.0), 5
     )
-    # Frontend = engine arrival (queued) − handler entry.
-    assert timings.frontend_seconds == pytest.approx(0.01)
+    # Frontend = hand-off − handler entry; intake = engine arrival (queued) − hand-off.
+    assert timings.frontend_seconds == pytest.approx(0.005)
+    assert timings.intake_seconds == pytest.approx(0.005)
     assert timings.queue_seconds == pytest.approx(0.5)
     assert timings.prefill_seconds == pytest.approx(0.5)
     assert timings.decode_seconds == pytest.approx(2.0)
@@ -38,8 +39,14 @@ def test_phases_follow_vllm_definitions_and_start_at_handler_entry() -> None:
 
 def test_stages_tile_the_request_from_entry_to_last_token() -> None:
     entry, s = 99.5, stamps(100.0, 100.25, 101.125, 104.0)
-    timings = derive_phase_timings(front(entry), s, 10)
-    stages = (timings.frontend_seconds, timings.queue_seconds, timings.prefill_seconds, timings.decode_seconds)
+    timings = derive_phase_timings(front(entry, handed=99.75), s, 10)
+    stages = (
+        timings.frontend_seconds,
+        timings.intake_seconds,
+        timings.queue_seconds,
+        timings.prefill_seconds,
+        timings.decode_seconds,
+    )
     assert None not in stages
     assert sum(stage or 0.0 for stage in stages) == pytest.approx(s.last_token_ts - entry)
     assert timings.e2e_seconds == pytest.approx(s.last_token_ts - entry)
@@ -69,10 +76,11 @@ def test_a_request_still_running_is_not_abandoned() -> None:
 def test_negative_interval_is_logged_and_left_out_never_zero(caplog: pytest.LogCaptureFixture) -> None:
     # Guards the defect of a stale start-up offset: a clock step clamped every TTFT to 0 silently.
     with caplog.at_level(logging.WARNING, logger="telemetry.phases"):
-        timings = derive_phase_timings(front(10.5), stamps(10.0, 10.1, 10.3, 10.5), 3)
-    assert timings.frontend_seconds is None
+        timings = derive_phase_timings(front(9.9, handed=10.05), stamps(10.0, 10.1, 10.3, 10.5), 3)
+    assert timings.intake_seconds is None
+    assert timings.frontend_seconds == pytest.approx(0.15)
     assert timings.queue_seconds == pytest.approx(0.1)
-    assert "negative frontend interval" in caplog.text
+    assert "negative intake interval" in caplog.text
 
 
 def test_wall_clock_of_a_reading_uses_the_requests_own_offset() -> None:
