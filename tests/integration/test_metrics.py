@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import pytest
+
 from server.client import PhasescopeClient, build_request
 from support.servers import ServerProcess
 
@@ -17,6 +19,11 @@ def test_n_requests_land_in_the_phase_histograms_and_token_counters(
 ) -> None:
     def snapshot() -> dict[str, float]:
         values = {phase: server.sample_sum("phasescope_request_phase_seconds_count", phase=phase) for phase in PHASES}
+        for phase in PHASES:
+            # The same engine stamps as vLLM's own phase histograms: the sums agree too.
+            values[f"{phase}_sum"] = server.sample_sum("phasescope_request_phase_seconds_sum", phase=phase)
+            values[f"vllm_{phase}_sum"] = server.sample_sum(f"vllm:request_{phase}_time_seconds_sum")
+            values[f"vllm_{phase}_count"] = server.sample_sum(f"vllm:request_{phase}_time_seconds_count")
         values["ttft"] = server.sample_sum("phasescope_time_to_first_token_seconds_count")
         values["e2e"] = server.sample_sum("phasescope_request_duration_seconds_count")
         values["decode_tokens"] = server.sample_sum("phasescope_tokens_total", phase="decode")
@@ -36,6 +43,10 @@ def test_n_requests_land_in_the_phase_histograms_and_token_counters(
     after = snapshot()
     for phase in PHASES:
         assert after[phase] - before[phase] == n, phase
+        assert after[f"vllm_{phase}_count"] - before[f"vllm_{phase}_count"] == n, phase
+        assert after[f"{phase}_sum"] - before[f"{phase}_sum"] == pytest.approx(
+            after[f"vllm_{phase}_sum"] - before[f"vllm_{phase}_sum"], abs=1e-6
+        ), phase
     assert after["ttft"] - before["ttft"] == n
     assert after["e2e"] - before["e2e"] == n
     assert after["ok"] - before["ok"] == n

@@ -14,7 +14,7 @@ import grpc
 import pytest
 
 from server.client import build_request
-from support.servers import ServerProcess
+from support.servers import WINDOW_SECONDS, ServerProcess
 from telemetry.exposition import Samples, sum_samples
 
 IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
@@ -69,8 +69,8 @@ def test_requests_that_die_mid_prefill_are_observed_and_miss_the_ttft_slo(server
     # stamps nothing before a first token, queue and prefill together as "abandoned".
     assert delta(after, before, "phasescope_request_phase_seconds_count", phase="frontend") == n + 1  # and the barrier
     assert delta(after, before, "phasescope_request_phase_seconds_count", phase="abandoned") == n
-    abandoned_seconds = delta(after, before, "phasescope_request_phase_seconds_sum", phase="abandoned")
-    assert 0 < abandoned_seconds <= n * 0.3
+    # Each waited out most of its 0.3 s deadline in the engine (token ids need no tokenising).
+    assert delta(after, before, "phasescope_request_phase_seconds_bucket", phase="abandoned", le="0.1") == 0
     # Prompts never answered are not counted as prefill tokens, exactly as vLLM counts them...
     prefill_tokens = delta(after, before, "phasescope_tokens_total", phase="prefill")
     assert prefill_tokens == delta(after, before, "vllm:prompt_tokens_total")
@@ -128,9 +128,9 @@ def test_decode_operating_point_holds_while_prompts_keep_arriving(server: Server
     assert server.wait_engine_idle() == IDLE
     decoders = DecodingStreams(server, 4)
     try:
-        # Decode only, four sequences.
+        # Decode only, four sequences, for longer than the gauges' window.
         start = server.samples()
-        time.sleep(2.0)
+        time.sleep(WINDOW_SECONDS + 0.5)
         decode_only = server.samples()
         # The same four decoding while long prompts arrive back to back: chunked prefill
         # schedules each beside the decodes, in mixed steps.
@@ -144,6 +144,15 @@ def test_decode_operating_point_holds_while_prompts_keep_arriving(server: Server
     assert server.wait_engine_idle(timeout=60) == IDLE
     assert delta(mixed, decode_only, "phasescope_engine_steps_total", kind="mixed") >= 3
     assert delta(decode_only, start, "phasescope_engine_steps_total", kind="mixed") == 0
+    # A window of decode only: prefill ran no step, so it has no operating point (absent, not
+    # "100 % idle"); the device's figures are decode's.
+    assert not any(
+        name == "phasescope_memory_bandwidth_utilization_ratio" and ("phase", "prefill") in labels
+        for name, labels in decode_only
+    )
+    assert sum_samples(decode_only, "phasescope_device_memory_bandwidth_utilization_ratio", engine="0") == (
+        pytest.approx(sum_samples(decode_only, "phasescope_memory_bandwidth_utilization_ratio", phase="decode"))
+    )
     # Decode is charged what a decode-only step of its batch moves: its intensity does not
     # jump towards the prompts' (token-share splitting made it ~2× here).
     assert decode_intensity(mixed, decode_only) == pytest.approx(decode_intensity(decode_only, start), rel=0.15)
