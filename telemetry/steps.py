@@ -95,27 +95,23 @@ class StepForwarder:
         if self.on_error is not None:
             self.on_error("step", exc)
 
+    def _deliver(self, sink: Callable[..., None] | None, *report: object) -> None:
+        if sink is None:
+            return
+        try:
+            sink(*report)
+        except Exception as exc:
+            self.failed(exc)
+
     def __call__(self, step: StepRecord) -> None:
-        if self.sink is not None:
-            try:
-                self.sink(step)
-            except Exception as exc:
-                self.failed(exc)
+        self._deliver(self.sink, step)
 
     def iteration(self, iteration: EngineIteration) -> None:
-        if self.iteration_sink is not None:
-            try:
-                self.iteration_sink(iteration)
-            except Exception as exc:
-                self.failed(exc)
+        self._deliver(self.iteration_sink, iteration)
 
     def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         """The engine's scheduler state, reported with every stats update (also after aborts)."""
-        if self.queue_sink is not None:
-            try:
-                self.queue_sink(engine, running, waiting, kv_cache_usage)
-            except Exception as exc:
-                self.failed(exc)
+        self._deliver(self.queue_sink, engine, running, waiting, kv_cache_usage)
 
 
 @dataclass(frozen=True, slots=True)
