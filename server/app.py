@@ -16,6 +16,7 @@ import functools
 import logging
 import signal
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
@@ -55,12 +56,30 @@ def resolve_model(settings: Settings) -> tuple[str, str]:
     return str(ensure_default_model()), settings.served_model_name or DEFAULT_MODEL_NAME
 
 
+EngineFactory = Callable[[Settings, str, str, StepForwarder], Engine]
+"""Starts an engine (blocking: it runs on a worker thread): settings, model path, served name,
+and where its per-step reports go."""
+
+
+def start_vllm_engine(settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> Engine:
+    from server.vllm_engine import VllmEngine
+
+    return VllmEngine.start(settings, model_path, model_name, steps)
+
+
 class Server:
     """One phasescope process: its gRPC server, metrics endpoint, engine and lifecycle."""
 
-    def __init__(self, settings: Settings, registry: CollectorRegistry = REGISTRY) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        registry: CollectorRegistry = REGISTRY,
+        engine_factory: EngineFactory = start_vllm_engine,
+    ) -> None:
+        """`engine_factory` is vLLM's in production; tests hand in a scripted engine."""
         self.settings = settings
         self.registry = registry
+        self._engine_factory = engine_factory
         self.exit_code = 0
         self._stop = asyncio.Event()
         self._engine: Engine | None = None
@@ -68,6 +87,7 @@ class Server:
         self._grpc: grpc.aio.Server | None = None
         self._gpu_counters: GpmSampler | None = None
         self.grpc_port = 0
+        self.metrics_port = 0
 
     def request_stop(self) -> None:
         if self._stop.is_set():
@@ -140,6 +160,7 @@ class Server:
         metrics_server, metrics_thread = start_http_server(
             settings.metrics_port, addr=settings.effective_metrics_host, registry=self.registry
         )
+        self.metrics_port = metrics_server.server_port
         logger.info(
             "gRPC listening on %s:%d (health NOT_SERVING until the engine is warm); metrics on http://%s:%d/metrics",
             settings.host,
@@ -200,17 +221,18 @@ class Server:
                 # Flushes the spans still batched.
                 await asyncio.to_thread(tracing.provider.shutdown)
             metrics_server.shutdown()
+            metrics_server.server_close()
             metrics_thread.join(timeout=5)
             logger.info("stopped")
         return self.exit_code
 
     async def _start_engine(self, model_path: str, model_name: str, steps: StepForwarder) -> Engine | None:
         """Start the engine off the event loop, so health answers while weights load."""
-        from server.vllm_engine import VllmEngine
-
         started = time.monotonic()
         logger.info("starting the engine for %s (%s)", model_name, model_path)
-        start = asyncio.create_task(asyncio.to_thread(VllmEngine.start, self.settings, model_path, model_name, steps))
+        start = asyncio.create_task(
+            asyncio.to_thread(self._engine_factory, self.settings, model_path, model_name, steps)
+        )
         stop = asyncio.create_task(self._stop.wait())
         await asyncio.wait((start, stop), return_when=asyncio.FIRST_COMPLETED)
         stop.cancel()

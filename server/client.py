@@ -76,59 +76,82 @@ def build_request(
     return request
 
 
-class PhasescopeClient:
+def tokenize_request(text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> pb.TokenizeRequest:
+    request = pb.TokenizeRequest()
+    if text is not None:
+        request.text = text
+    if chat is not None:
+        request.chat.messages.extend(pb.ChatMessage(role=role, content=content) for role, content in chat)
+    return request
+
+
+def _status_name(response: Any) -> str:
+    return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+
+
+class _Client:
+    """What the blocking and the asyncio client share: every request, its deadline and metadata.
+
+    The two subclasses differ only in their channel and in awaiting, so a call's
+    credentials, tracing and deadline cannot drift between them.
+    """
+
+    def __init__(self, channel: Any, timeout_seconds: float | None, credentials: Credentials | None) -> None:
+        self._channel = channel
+        self._credentials = credentials
+        self._timeout = timeout_seconds
+        self._stub = pb_grpc.InferenceStub(channel)
+        # The health stubs declare no methods on HealthStub; calls go through Any.
+        self._health: Any = health_pb2_grpc.HealthStub(channel)
+
+    def _options(self, traceparent: str | None = None, deadline_seconds: float | None = None) -> dict[str, Any]:
+        """A call's deadline (this call's, else the client's) and metadata (trace context, bearer token)."""
+        return {
+            "timeout": deadline_seconds if deadline_seconds is not None else self._timeout,
+            "metadata": _metadata(traceparent, self._credentials),
+        }
+
+
+class PhasescopeClient(_Client):
     """Blocking client; use as a context manager or call close()."""
 
     def __init__(
         self, address: str, *, timeout_seconds: float | None = None, credentials: Credentials | None = None
     ) -> None:
-        self._credentials = credentials
         if credentials is not None and credentials.secure:
-            self._channel = grpc.secure_channel(address, credentials.channel_credentials(), options=_CHANNEL_OPTIONS)
+            channel = grpc.secure_channel(address, credentials.channel_credentials(), options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.InferenceStub(self._channel)
-        # The health stubs declare no methods on HealthStub; calls go through Any.
-        self._health: Any = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout = timeout_seconds
+            channel = grpc.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        super().__init__(channel, timeout_seconds, credentials)
 
-    def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
-        return self._stub.Generate(request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials))
+    def generate(
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None, deadline_seconds: float | None = None
+    ) -> pb.GenerateResponse:
+        response: pb.GenerateResponse = self._stub.Generate(request, **self._options(traceparent, deadline_seconds))
+        return response
 
     def generate_stream(
-        self, request: pb.GenerateRequest, *, traceparent: str | None = None
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None, deadline_seconds: float | None = None
     ) -> Iterator[pb.GenerateStreamResponse]:
         """Chunks as the engine produces them; cancel() the returned iterator to stop early.
 
         `traceparent` (see `new_traceparent`) makes the server's spans part of the caller's trace.
         """
-        return self._stub.GenerateStream(
-            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
+        chunks: Iterator[pb.GenerateStreamResponse] = self._stub.GenerateStream(
+            request, **self._options(traceparent, deadline_seconds)
         )
+        return chunks
 
     def tokenize(self, text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> list[int]:
-        request = pb.TokenizeRequest()
-        if text is not None:
-            request.text = text
-        if chat is not None:
-            request.chat.messages.extend(pb.ChatMessage(role=role, content=content) for role, content in chat)
-        return list(
-            self._stub.Tokenize(request, timeout=self._timeout, metadata=_metadata(None, self._credentials)).token_ids
-        )
+        return list(self._stub.Tokenize(tokenize_request(text, chat), **self._options()).token_ids)
 
     def model_info(self) -> pb.ModelInfo:
-        return self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=self._timeout, metadata=_metadata(None, self._credentials)
-        )
+        info: pb.ModelInfo = self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._options())
+        return info
 
     def health(self, service: str = "") -> str:
         """ "SERVING", "NOT_SERVING", ... as the standard health service reports it."""
-        response = self._health.Check(
-            health_pb2.HealthCheckRequest(service=service),
-            timeout=self._timeout,
-            metadata=_metadata(None, self._credentials),
-        )
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        return _status_name(self._health.Check(health_pb2.HealthCheckRequest(service=service), **self._options()))
 
     def close(self) -> None:
         self._channel.close()
@@ -142,50 +165,48 @@ class PhasescopeClient:
         self.close()
 
 
-class AsyncPhasescopeClient:
+class AsyncPhasescopeClient(_Client):
     """asyncio client; use as an async context manager or await close()."""
 
     def __init__(
         self, address: str, *, timeout_seconds: float | None = None, credentials: Credentials | None = None
     ) -> None:
-        self._credentials = credentials
         if credentials is not None and credentials.secure:
-            channel_credentials = credentials.channel_credentials()
-            self._channel = grpc.aio.secure_channel(address, channel_credentials, options=_CHANNEL_OPTIONS)
+            channel = grpc.aio.secure_channel(address, credentials.channel_credentials(), options=_CHANNEL_OPTIONS)
         else:
-            self._channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-        self._stub = pb_grpc.InferenceStub(self._channel)
-        # The health stubs declare no methods on HealthStub; calls go through Any.
-        self._health: Any = health_pb2_grpc.HealthStub(self._channel)
-        self._timeout = timeout_seconds
+            channel = grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+        super().__init__(channel, timeout_seconds, credentials)
 
-    async def generate(self, request: pb.GenerateRequest, *, traceparent: str | None = None) -> pb.GenerateResponse:
+    async def generate(
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None, deadline_seconds: float | None = None
+    ) -> pb.GenerateResponse:
         response: pb.GenerateResponse = await self._stub.Generate(
-            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
+            request, **self._options(traceparent, deadline_seconds)
         )
         return response
 
     async def generate_stream(
-        self, request: pb.GenerateRequest, *, traceparent: str | None = None
+        self, request: pb.GenerateRequest, *, traceparent: str | None = None, deadline_seconds: float | None = None
     ) -> AsyncIterator[pb.GenerateStreamResponse]:
-        call: Any = self._stub.GenerateStream(
-            request, timeout=self._timeout, metadata=_metadata(traceparent, self._credentials)
-        )
+        """Chunks as the engine produces them; close the generator (aclose) to cancel the call."""
+        call: Any = self._stub.GenerateStream(request, **self._options(traceparent, deadline_seconds))
         try:
             async for chunk in call:
                 yield chunk
         finally:
             call.cancel()
 
+    async def tokenize(self, text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> list[int]:
+        response: pb.TokenizeResponse = await self._stub.Tokenize(tokenize_request(text, chat), **self._options())
+        return list(response.token_ids)
+
     async def model_info(self) -> pb.ModelInfo:
-        info: pb.ModelInfo = await self._stub.GetModelInfo(
-            pb.GetModelInfoRequest(), timeout=self._timeout, metadata=_metadata(None, self._credentials)
-        )
+        info: pb.ModelInfo = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._options())
         return info
 
     async def health(self, service: str = "") -> str:
-        response: Any = await self._health.Check(health_pb2.HealthCheckRequest(service=service), timeout=self._timeout)
-        return str(health_pb2.HealthCheckResponse.ServingStatus.Name(response.status))
+        """ "SERVING", "NOT_SERVING", ... as the standard health service reports it."""
+        return _status_name(await self._health.Check(health_pb2.HealthCheckRequest(service=service), **self._options()))
 
     async def close(self) -> None:
         await self._channel.close()

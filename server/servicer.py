@@ -57,10 +57,11 @@ logger = logging.getLogger(__name__)
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["Inference"].full_name
 
+# An engine-side abort never reaches here as a finish reason: the engine adapter turns it
+# into EngineUnavailableError (status UNAVAILABLE), so FINISH_REASON_ABORT is never sent.
 _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
-    "abort": pb.FINISH_REASON_ABORT,
 }
 
 ServicerContext = grpc.aio.ServicerContext[Any, Any]
@@ -252,7 +253,15 @@ class InferenceServicer:
             engine = self._ready_engine()
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)
+            # Cheap checks first (they include the bound on text that cannot fit the context),
+            # then the permit: under overload a refused request costs no tokenising.
             parsed = parse_generate_input(request, engine.limits)
+            caller = self._identify(context) if self._admission.per_client else ""
+            self._admission.acquire(caller)
+        except PhasescopeError as exc:
+            self._reject(exc)
+            raise
+        try:
             prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
             sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
@@ -260,13 +269,14 @@ class InferenceServicer:
             # engine until the steps are iterated; sampling it refuses raises here.
             engine_request_id = uuid.uuid4().hex
             steps = engine.generate(engine_request_id, prompt_token_ids, sampling)
-            caller = self._identify(context) if self._admission.per_client else ""
-            self._admission.acquire(caller)
-        except PhasescopeError as exc:
-            self._reject(exc)
+        except BaseException as exc:
+            self._admission.release(caller)
+            if isinstance(exc, PhasescopeError):
+                self._reject(exc)
             raise
 
-        client_request_id = request.request_id
+        # The proto promises an id: the client's, or the engine's when it sent none.
+        client_request_id = request.request_id or engine_request_id
         trace.prompt_tokens = len(prompt_token_ids)
         code = grpc.StatusCode.OK
         error: BaseException | None = None
@@ -381,10 +391,14 @@ class InferenceServicer:
     async def Tokenize(
         self, request: pb.TokenizeRequest | UndecodableRequest, context: ServicerContext
     ) -> pb.TokenizeResponse:
-        engine = self._ready_engine()
-        if isinstance(request, UndecodableRequest):
-            raise InvalidRequestError(request.field, request.reason)
-        token_ids = await tokenize_off_loop(engine, parse_tokenize_input(request))
+        try:
+            engine = self._ready_engine()
+            if isinstance(request, UndecodableRequest):
+                raise InvalidRequestError(request.field, request.reason)
+            token_ids = await tokenize_off_loop(engine, parse_tokenize_input(request))
+        except PhasescopeError as exc:
+            self._reject(exc)
+            raise
         return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:

@@ -35,7 +35,10 @@ class _FinishReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_FinishRe
     FINISH_REASON_LENGTH: _FinishReason.ValueType  # 2
     """max_tokens or the context window was reached."""
     FINISH_REASON_ABORT: _FinishReason.ValueType  # 3
-    """The engine aborted the request."""
+    """Never sent; kept so the number is not reused. A stream the engine aborts
+    (an engine core stopped) ends with status UNAVAILABLE, and one the client
+    cancels ends with CANCELLED or DEADLINE_EXCEEDED: a status, not a chunk.
+    """
 
 class FinishReason(_FinishReason, metaclass=_FinishReasonEnumTypeWrapper): ...
 
@@ -45,7 +48,10 @@ FINISH_REASON_STOP: FinishReason.ValueType  # 1
 FINISH_REASON_LENGTH: FinishReason.ValueType  # 2
 """max_tokens or the context window was reached."""
 FINISH_REASON_ABORT: FinishReason.ValueType  # 3
-"""The engine aborted the request."""
+"""Never sent; kept so the number is not reused. A stream the engine aborts
+(an engine core stopped) ends with status UNAVAILABLE, and one the client
+cancels ends with CANCELLED or DEADLINE_EXCEEDED: a status, not a chunk.
+"""
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
 @_typing.final

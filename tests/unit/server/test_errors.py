@@ -11,6 +11,7 @@ from server.errors import (
     OverloadedError,
     rejection_reason,
     status_for,
+    table,
 )
 
 
@@ -42,3 +43,11 @@ def test_only_refusals_count_as_rejections() -> None:
     assert rejection_reason(InvalidRequestError("f", "m")) == "invalid_argument"
     assert rejection_reason(NotReadyError("x")) == "not_ready"
     assert rejection_reason(RuntimeError("x")) is None
+
+
+def test_the_table_lists_every_subclass_before_its_base() -> None:
+    # The first matching row wins: a base listed first would swallow its subclass's row
+    # (ClientLimitError would be counted as "overloaded").
+    kinds = [kind for kind, _, _ in table()]
+    for index, kind in enumerate(kinds):
+        assert not any(issubclass(kind, earlier) for earlier in kinds[:index]), kind

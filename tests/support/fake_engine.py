@@ -1,0 +1,146 @@
+"""A scripted `Engine` for unit tests of the request path: no vLLM, every rare path on demand.
+
+Each request plays a `Script`: a list of steps (tokens with the engine's
+timestamps), optionally a failure after some steps, or a pause that only a
+cancel ends. Timestamps are `time.monotonic()` readings taken as each step is
+played, so they sit on the clock the servicer uses (telemetry.phases). The
+engine records which requests were aborted (their step stream closed early)
+and which ran to the end, as vLLM's request table would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncGenerator, Callable
+from dataclasses import dataclass, field
+
+from server.engine import EngineStep, ModelDescription
+from server.errors import InvalidRequestError
+from server.validation import ModelLimits, ParsedInput, SamplingSpec
+from telemetry.model_cost import model_cost_from_config
+from telemetry.phases import EngineTimestamps
+
+CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+VOCABULARY = 1_000
+
+
+@dataclass
+class Script:
+    """What the engine does with one request."""
+
+    tokens: list[int] = field(default_factory=lambda: [11, 12, 13])
+    finish_reason: str = "length"
+    queue_seconds: float = 0.0
+    """Time between the request's arrival in the engine and its first schedule."""
+    step_seconds: float = 0.0
+    """Time each step takes (the first one is the prefill)."""
+    fail_after: int | None = None
+    """Raise `failure` after this many steps."""
+    failure: BaseException = field(default_factory=lambda: RuntimeError("scripted failure"))
+    hang_after: int | None = None
+    """After this many steps, wait until the request is cancelled."""
+    cached_prompt_tokens: int = 0
+
+
+class ScriptedEngine:
+    """Implements `server.engine.Engine`; `script_for` picks each request's script by its prompt."""
+
+    def __init__(
+        self,
+        script_for: Callable[[list[int]], Script] = lambda prompt: Script(),
+        *,
+        max_model_len: int = 256,
+        refuse_temperature_above: float = 2.0,
+    ) -> None:
+        self._script_for = script_for
+        self._refuse_temperature_above = refuse_temperature_above
+        self.dead = False
+        self.closed = False
+        self.warmed_up = False
+        self.started: list[str] = []
+        self.aborted: list[str] = []
+        self.finished: list[str] = []
+        cost = model_cost_from_config(CONFIG, parameter_count=1_000_000, dtype="float32")
+        self._limits = ModelLimits(max_model_len=max_model_len, vocab_size=VOCABULARY, max_chars_per_token=8)
+        self._description = ModelDescription(
+            model_name="scripted",
+            model_path="/scripted",
+            max_context_length=max_model_len,
+            dtype="float32",
+            parameter_count=1_000_000,
+            weight_bytes=cost.weight_bytes,
+            kv_cache_bytes_per_token=cost.kv_cache_bytes_per_token,
+            vocab_size=VOCABULARY,
+            engine="scripted",
+            engine_version="0",
+            device="cpu (scripted)",
+            data_parallel_size=1,
+            tensor_parallel_size=1,
+            pipeline_parallel_size=1,
+            cost=cost,
+            on_cpu=True,
+        )
+
+    @property
+    def description(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    @property
+    def is_dead(self) -> bool:
+        return self.dead
+
+    def tokenize(self, parsed: ParsedInput) -> list[int]:
+        """One token per word, its length as id: deterministic and easy to reason about."""
+        if parsed.kind == "token_ids":
+            return list(parsed.token_ids)
+        text = parsed.prompt if parsed.kind == "prompt" else " ".join(turn.content for turn in parsed.chat)
+        return [len(word) % VOCABULARY for word in text.split()] or [1]
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        if sampling.temperature is not None and sampling.temperature > self._refuse_temperature_above:
+            raise InvalidRequestError("sampling.temperature", f"must be at most {self._refuse_temperature_above:g}")
+        return self._play(request_id, self._script_for(prompt_token_ids), sampling)
+
+    async def _play(self, request_id: str, script: Script, sampling: SamplingSpec) -> AsyncGenerator[EngineStep, None]:
+        self.started.append(request_id)
+        queued = time.monotonic()
+        tokens = script.tokens[: sampling.max_tokens]
+        first = 0.0
+        try:
+            await asyncio.sleep(script.queue_seconds)
+            scheduled = time.monotonic()
+            for index, token in enumerate(tokens):
+                if script.fail_after is not None and index == script.fail_after:
+                    raise script.failure
+                if script.hang_after is not None and index == script.hang_after:
+                    await asyncio.Event().wait()
+                await asyncio.sleep(script.step_seconds)
+                now = time.monotonic()
+                first = first or now
+                last = index == len(tokens) - 1
+                yield EngineStep(
+                    text=f"t{token} ",
+                    token_ids=(token,),
+                    finished=last,
+                    finish_reason=script.finish_reason if last else None,
+                    completion_tokens=index + 1,
+                    cached_prompt_tokens=script.cached_prompt_tokens,
+                    stamps=EngineTimestamps(queued, scheduled, first, now),
+                )
+        except (GeneratorExit, asyncio.CancelledError):
+            self.aborted.append(request_id)
+            raise
+        self.finished.append(request_id)
+
+    async def warm_up(self) -> None:
+        self.warmed_up = True
+
+    async def close(self) -> None:
+        self.closed = True

@@ -1,0 +1,107 @@
+"""The server's lifecycle without vLLM: health while the engine starts, serving, draining, engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+
+import grpc
+from prometheus_client import CollectorRegistry
+
+from server.app import Server
+from server.client import AsyncPhasescopeClient, build_request
+from server.config import Settings
+from support.fake_engine import ScriptedEngine
+from telemetry.steps import StepForwarder
+
+SETTINGS = Settings(
+    model="/models/scripted",
+    port=0,
+    metrics_port=0,
+    # Flags for both peaks: nothing is measured.
+    peak_memory_bandwidth=100e9,
+    peak_flops=1e12,
+    shutdown_grace_seconds=5,
+)
+
+
+class Factory:
+    """Starts a scripted engine when released, as a slow weight load would."""
+
+    def __init__(self) -> None:
+        self.engine = ScriptedEngine()
+        self.release = threading.Event()
+
+    def __call__(self, settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> ScriptedEngine:
+        assert (model_path, model_name) == ("/models/scripted", "scripted")
+        self.release.wait(10)
+        return self.engine
+
+
+async def wait_for_port(server: Server) -> str:
+    for _ in range(500):
+        if server.grpc_port:
+            return f"127.0.0.1:{server.grpc_port}"
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server never listened")
+
+
+async def wait_for_health(client: AsyncPhasescopeClient, wanted: str) -> list[str]:
+    seen: list[str] = []
+    for _ in range(500):
+        status = await client.health()
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == wanted:
+            return seen
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"health never said {wanted}: {seen}")
+
+
+def test_health_follows_the_engine_then_a_drain_stops_it_cleanly() -> None:
+    factory = Factory()
+
+    async def scenario() -> tuple[list[str], str, int, grpc.StatusCode]:
+        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+        running = asyncio.create_task(server.run())
+        async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
+            # Listening before the engine is up, and saying so.
+            assert await client.health() == "NOT_SERVING"
+            with_engine_starting = client.generate(build_request(prompt="too early", max_tokens=2))
+            try:
+                await with_engine_starting
+                early = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                early = exc.code()
+            factory.release.set()
+            history = await wait_for_health(client, "SERVING")
+            answer = await client.generate(build_request(prompt="hello there", max_tokens=3))
+            server.request_stop()
+            code = await running
+        return history, answer.text, code, early
+
+    history, text, code, early = asyncio.run(scenario())
+    assert early is grpc.StatusCode.UNAVAILABLE
+    assert history[-1] == "SERVING"
+    assert factory.engine.warmed_up
+    assert text == "t11 t12 t13 "
+    assert code == 0
+    assert factory.engine.closed
+
+
+def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
+    factory = Factory()
+    factory.release.set()
+
+    async def scenario() -> tuple[int, str]:
+        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+        running = asyncio.create_task(server.run())
+        async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
+            await wait_for_health(client, "SERVING")
+            factory.engine.dead = True
+            code = await asyncio.wait_for(running, 10)
+        return code, "closed" if factory.engine.closed else "open"
+
+    code, engine_state = asyncio.run(scenario())
+    assert code == 1
+    assert engine_state == "closed"
