@@ -177,14 +177,15 @@ class Server:
             peaks = await asyncio.to_thread(
                 resolve_peaks, settings, description.device, description.on_cpu, description.dtype
             )
+            # On a CPU the engine cores share the machine's cores and memory.
+            engine_peaks = peaks.shared_by(description.data_parallel_size) if description.on_cpu else peaks
             tracker = StepMetrics(
                 model_name,
                 description.cost,
                 description.dtype,
-                peaks,
+                engine_peaks,
                 self.registry,
                 engines=description.data_parallel_size,
-                shared_device=description.on_cpu,
                 window_seconds=settings.metrics_window_seconds,
             )
             steps.sink = tracker.record
@@ -202,7 +203,7 @@ class Server:
                 tracker.peak_flops / tracker.peak_memory_bandwidth_bytes_per_second,
             )
             await engine.warm_up()
-            servicer.attach_engine(engine, peaks)
+            servicer.attach_engine(engine, engine_peaks)
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info("ready: serving %s (health SERVING)", model_name)
             watcher = asyncio.create_task(self._watch_engine(engine))

@@ -219,6 +219,7 @@ class InferenceServicer:
         self._draining = False
 
     def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> None:
+        """`peaks` are what each engine is judged against (shared between engines on one CPU)."""
         self._peaks = peaks
         self._engine = engine
 
@@ -405,11 +406,9 @@ class InferenceServicer:
         engine = self._ready_engine()
         d = engine.description
         peaks = self._peaks
-        assert peaks is not None  # attached together with the engine
-        # On a CPU the engines share the machine's peaks (telemetry.step_metrics.StepMetrics).
-        share = d.data_parallel_size if d.on_cpu else 1
-        bandwidth = peaks.memory_bandwidth_bytes_per_second / share
-        flops = peaks.peak_flops(d.dtype) / share
+        assert peaks is not None  # attached together with the engine: each engine's peaks
+        bandwidth = peaks.memory_bandwidth_bytes_per_second
+        flops = peaks.peak_flops(d.dtype)
         return pb.ModelInfo(
             flops_per_token=d.cost.flops_per_token(),
             peak_memory_bandwidth_bytes_per_second=bandwidth,

@@ -40,6 +40,17 @@ class HardwarePeaks:
         # which a kernel stops being bandwidth-bound and becomes compute-bound.
         return self.peak_flops(dtype) / self.memory_bandwidth_bytes_per_second
 
+    def shared_by(self, engines: int) -> HardwarePeaks:
+        """What each of `engines` engine cores sharing this one device (a CPU's cores and memory)
+        is judged against: an equal share, so that per-engine utilisations add up to the device's."""
+        if engines <= 1:
+            return self
+        return replace(
+            self,
+            memory_bandwidth_bytes_per_second=self.memory_bandwidth_bytes_per_second / engines,
+            flops_per_second={family: flops / engines for family, flops in self.flops_per_second.items()},
+        )
+
     def with_overrides(
         self, memory_bandwidth_bytes_per_second: float | None = None, flops_per_second: float | None = None
     ) -> HardwarePeaks:

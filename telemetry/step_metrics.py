@@ -38,9 +38,8 @@ INTER_TOKEN_SECONDS_BUCKETS = (
 class StepMetrics(Collector):
     """The engine's steps against the device's peaks, as Prometheus series.
 
-    `peaks` are each engine's own device's; on a CPU (`shared_device`) the
-    engines share the machine, so each is judged against its share of the
-    machine's peaks and the per-engine utilisations add up to the machine's.
+    `peaks` are what each engine is judged against (`HardwarePeaks.shared_by`
+    when the engines share one CPU).
     """
 
     def __init__(
@@ -52,7 +51,6 @@ class StepMetrics(Collector):
         registry: CollectorRegistry,
         *,
         engines: int = 1,
-        shared_device: bool = False,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] | None = None,
     ) -> None:
@@ -60,7 +58,6 @@ class StepMetrics(Collector):
         self._cost = cost
         self._dtype = dtype
         self._peaks = peaks
-        self._share = engines if shared_device else 1
         self._engines = engines
         window_args = {"clock": clock} if clock is not None else {}
         self.window = StepWindow(
@@ -145,12 +142,11 @@ class StepMetrics(Collector):
 
     @property
     def peak_memory_bandwidth_bytes_per_second(self) -> float:
-        """Per engine: the device's peak, shared between engines on one CPU."""
-        return self._peaks.memory_bandwidth_bytes_per_second / self._share
+        return self._peaks.memory_bandwidth_bytes_per_second
 
     @property
     def peak_flops(self) -> float:
-        return self._peaks.peak_flops(self._dtype) / self._share
+        return self._peaks.peak_flops(self._dtype)
 
     def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         self.engine_requests.labels(self._model, str(engine), "running").set(running)

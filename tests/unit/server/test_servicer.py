@@ -258,3 +258,16 @@ def test_a_dead_engine_refuses_new_requests_unavailable() -> None:
     assert code is grpc.StatusCode.UNAVAILABLE
     assert s.value("phasescope_requests_rejected_total", reason="engine_unavailable") == 1
     assert not engine.started
+
+
+def test_model_info_reports_the_peaks_each_engine_is_judged_against() -> None:
+    async def scenario() -> pb.ModelInfo:
+        async with serve(ScriptedEngine()) as s:
+            return await s.client.model_info()
+
+    info = run(scenario)
+    assert info.peak_memory_bandwidth_bytes_per_second == 100e9
+    assert info.peak_flops == 1e12
+    assert info.ridge_point_flops_per_byte == 10
+    assert info.peak_source == "flag"
+    assert info.flops_per_token == 2e6

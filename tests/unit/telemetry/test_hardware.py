@@ -1,6 +1,6 @@
 import pytest
 
-from telemetry.hardware import DATASHEET, lookup_device
+from telemetry.hardware import DATASHEET, HardwarePeaks, lookup_device
 
 
 @pytest.mark.parametrize(
@@ -47,3 +47,13 @@ def test_flags_override_and_say_so() -> None:
     assert peaks.memory_bandwidth_bytes_per_second == 1e11
     assert peaks.peak_flops("bf16") == DATASHEET["l4"].peak_flops("bf16")
     assert DATASHEET["l4"].with_overrides() is DATASHEET["l4"]
+
+
+def test_engines_sharing_one_device_each_get_an_equal_share_of_its_peaks() -> None:
+    machine = HardwarePeaks("cpu", 30e9, {"fp32": 200e9}, "measured", "a CPU")
+    each = machine.shared_by(2)
+    assert each.memory_bandwidth_bytes_per_second == 15e9
+    assert each.peak_flops("float32") == 100e9
+    # The ridge point is the device's: sharing changes neither roof's slope.
+    assert each.ridge_point_flops_per_byte("float32") == machine.ridge_point_flops_per_byte("float32")
+    assert machine.shared_by(1) is machine

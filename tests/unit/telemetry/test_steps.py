@@ -24,9 +24,8 @@ class FakeClock:
 
 
 def metrics(clock: FakeClock, registry: CollectorRegistry, engines: int = 1, shared: bool = False) -> StepMetrics:
-    return StepMetrics(
-        "m", COST, "float32", PEAKS, registry, engines=engines, shared_device=shared, window_seconds=10.0, clock=clock
-    )
+    peaks = PEAKS.shared_by(engines) if shared else PEAKS
+    return StepMetrics("m", COST, "float32", peaks, registry, engines=engines, window_seconds=10.0, clock=clock)
 
 
 def decode_step(
