@@ -1,11 +1,12 @@
-"""Hostile input: a catalogue of malformed requests, each with its precise status, and a property-based fuzz.
+"""Hostile input: wire bytes no client would send, each with its precise status, and a property-based fuzz.
+
+The typed catalogue of bad requests is in support.bad_input (test_bad_input.py runs it).
 
 After all of it the server is healthy and the engine holds no request.
 """
 
 from __future__ import annotations
 
-import math
 import os
 import time
 
@@ -16,23 +17,8 @@ from hypothesis import strategies as st
 
 from phasescope.v1 import inference_pb2 as pb
 from server.client import PhasescopeClient, build_request
+from support.bad_input import INVALID, MAX_MODEL_LEN, raw_call
 from support.servers import ServerProcess
-
-MAX_MODEL_LEN = 2048  # conftest BASE_ARGS
-VOCAB = 49152
-INVALID = grpc.StatusCode.INVALID_ARGUMENT
-
-
-def raw(server: ServerProcess, data: bytes, method: str = "Generate") -> grpc.StatusCode:
-    with grpc.insecure_channel(server.address, options=[("grpc.max_send_message_length", 64 * 2**20)]) as channel:
-        call = channel.unary_unary(
-            f"/phasescope.v1.Inference/{method}", request_serializer=lambda b: b, response_deserializer=lambda b: b
-        )
-        try:
-            call(data, timeout=60)
-        except grpc.RpcError as exc:
-            return exc.code()
-    return grpc.StatusCode.OK
 
 
 def field(number: int, wire_type: int) -> bytes:
@@ -69,43 +55,11 @@ HOSTILE_RAW: dict[str, tuple[bytes, grpc.StatusCode]] = {
     "empty message": (b"", INVALID),
 }  # fmt: skip
 
-HOSTILE_TYPED: dict[str, pb.GenerateRequest] = {
-    "empty chat": pb.GenerateRequest(chat=pb.Chat()),
-    "chat with an unknown role": build_request(chat=[("user", "hi"), ("root", "obey")], max_tokens=2),
-    "chat with an empty role": build_request(chat=[("", "hi")], max_tokens=2),
-    "enormous token id": build_request(token_ids=[2**32 - 1], max_tokens=2),
-    "token id one past the vocabulary": build_request(token_ids=[VOCAB], max_tokens=2),
-    "prompt one past the context limit": build_request(token_ids=[42] * MAX_MODEL_LEN, max_tokens=1),
-    "prompt far past the context limit": build_request(prompt="word " * 20_000, max_tokens=1),
-    "absurd max_tokens": build_request(prompt="hi", max_tokens=2**32 - 1),
-    "max_tokens one past the room left": build_request(token_ids=[42] * 100, max_tokens=MAX_MODEL_LEN - 99),
-    "infinite temperature": build_request(prompt="hi", temperature=math.inf, max_tokens=2),
-    "NaN top_p": build_request(prompt="hi", top_p=math.nan, max_tokens=2),
-    "negative top_p": build_request(prompt="hi", top_p=-0.5, max_tokens=2),
-    "min_p above one": build_request(prompt="hi", min_p=1.5, max_tokens=2),
-    "negative repetition penalty": build_request(prompt="hi", repetition_penalty=-1.0, max_tokens=2),
-    "presence penalty out of range": build_request(prompt="hi", presence_penalty=3.0, max_tokens=2),
-    "NaN frequency penalty": build_request(prompt="hi", frequency_penalty=math.nan, max_tokens=2),
-    "huge stop list": build_request(prompt="hi", stop=[f"s{i}" for i in range(10_000)], max_tokens=2),
-    "stop string of a megabyte": build_request(prompt="hi", stop=["x" * 2**20], max_tokens=2),
-    "empty stop string": build_request(prompt="hi", stop=[""], max_tokens=2),
-    "huge stop-token list": build_request(prompt="hi", stop_token_ids=list(range(5000)), max_tokens=2),
-    "request id of 10 kB": build_request(prompt="hi", request_id="r" * 10_000, max_tokens=2),
-    "top_k below -1": build_request(prompt="hi", top_k=-100, max_tokens=2),
-}
-
 
 @pytest.mark.parametrize("case", HOSTILE_RAW)
 def test_hostile_bytes_get_a_precise_status(server: ServerProcess, case: str) -> None:
     data, expected = HOSTILE_RAW[case]
-    assert raw(server, data) is expected
-
-
-@pytest.mark.parametrize("case", HOSTILE_TYPED)
-def test_hostile_requests_are_invalid_argument(client: PhasescopeClient, case: str) -> None:
-    with pytest.raises(grpc.RpcError) as caught:
-        client.generate(HOSTILE_TYPED[case])
-    assert caught.value.code() is INVALID, caught.value.details()
+    assert raw_call(server, data)[0] is expected
 
 
 def test_prompt_exactly_at_the_limit_is_served(client: PhasescopeClient) -> None:

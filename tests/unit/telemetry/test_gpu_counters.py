@@ -6,8 +6,10 @@ import time
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from prometheus_client import CollectorRegistry
 
+from telemetry import gpu_counters
 from telemetry.gpu_counters import start_gpu_counters
 
 
@@ -99,7 +101,18 @@ def test_no_supported_gpu_means_no_series_and_no_thread() -> None:
     assert not [m for m in registry.collect() if m.name.startswith("phasescope_gpu_")]
 
 
-def test_without_nvml_nothing_starts() -> None:
-    # On CI (no GPU) pynvml is absent or finds no driver: nothing fails.
+def test_without_nvml_nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    # pynvml absent, or no driver (load_nvml gives None): nothing fails, no series. Faked at the
+    # boundary, so the test says the same on a GPU machine (it used to call the real NVML).
+    monkeypatch.setattr(gpu_counters, "load_nvml", lambda: None)
     registry = CollectorRegistry()
     assert start_gpu_counters(registry, "m") is None
+    assert not [metric for metric in registry.collect() if metric.name.startswith("phasescope_gpu")]
+
+
+def test_a_driver_that_fails_its_queries_turns_the_counters_off() -> None:
+    class Broken(FakeNvml):
+        def nvmlDeviceGetCount(self) -> int:
+            raise RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED")
+
+    assert start_gpu_counters(CollectorRegistry(), "m", nvml=Broken({})) is None

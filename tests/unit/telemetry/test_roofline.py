@@ -9,7 +9,7 @@ assert H100 is not None
 
 
 def test_reference_case_70b_bf16_on_h100_sxm() -> None:
-    # DESIGN.md: 3.35e12 / 140e9 ≈ 24 tokens/s; 2 × 70e9 FLOPs per token → ≈ 3.35 TFLOP/s
+    # The reference case (docs/roofline.md): 3.35e12 / 140e9 ≈ 24 tokens/s; 2 × 70e9 FLOPs per token → ≈ 3.35 TFLOP/s
     # (DESIGN rounds 24 tok/s first and writes 3.36); 0.34 % of 989 TFLOP/s; idle 99.7 %.
     row = decode_step(model_cost_from_numbers(70_000_000_000, "bf16"), H100, "bf16", batch_size=1, context_length=0)
     assert row.decode_tokens_per_second_total == pytest.approx(23.9, rel=5e-3)
