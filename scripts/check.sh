@@ -1,5 +1,7 @@
 #!/usr/bin/env bash
-# The whole suite, as `make test` and CI run it: format, lint, types, unit, integration.
+# The whole suite, as `make test` and CI run it. The fast lane first (format, lint, layering,
+# types, unit tests: no engine, about a minute), so a mistake there fails before the slow
+# half starts: the vLLM adapter's tests and the integration suite on the real engine.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${VENV:-.venv}/bin
@@ -10,9 +12,11 @@ step "ruff check"
 "$BIN/ruff" check .
 step "ruff format --check"
 "$BIN/ruff" format --check .
-step "mypy --strict (server/, telemetry/)"
+step "import-linter (layering contracts in pyproject.toml)"
+"$BIN/lint-imports"
+step "mypy --strict"
 "$BIN/mypy"
-step "unit tests"
+step "unit tests (no engine)"
 "$BIN/pytest" tests/unit -q
-step "integration tests (real vLLM engine, real servers)"
-"$BIN/pytest" tests/integration -q
+step "engine-package and integration tests (vLLM and PyTorch; real engine, real servers)"
+"$BIN/pytest" tests/engine tests/integration -q

