@@ -1,0 +1,137 @@
+"""Decode's operating point with prompts arriving beside it: the marginal-cost split vs a token-share split.
+
+Runs the embedded default in-process (AsyncLLM, the project's own stat
+logger), lets four streams decode alone, then sends long prompts one after
+another so chunked prefill mixes them into the decode steps. Every step the
+engine reports is attributed both ways; decode's arithmetic intensity
+(FLOPs ÷ bytes moved) is printed for the decode-only period and for the
+period with prompts. A split that keeps decode's operating point true gives
+about the same figure in both.
+
+    .venv/bin/python -m loadtests.phase_split [--prompts 3] [--prompt-tokens 250] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from pathlib import Path
+from typing import Any
+
+from server.default_model import ensure_default_model
+from telemetry.model_cost import ModelCost, count_checkpoint_parameters, model_cost_from_config
+from telemetry.steps import StepForwarder, StepRecord, attribute_step
+
+DECODERS = 4
+
+
+def decode_intensities(
+    steps: list[StepRecord], cost: ModelCost, bandwidth: float, flops: float
+) -> dict[str, float | dict[str, int]]:
+    """Decode's FLOPs ÷ bytes moved over `steps`, by the project's marginal-cost rule and by token share."""
+    marginal_flops = marginal_bytes = share_flops = share_bytes = 0.0
+    kinds: dict[str, int] = {}
+    for step in steps:
+        kinds[step.kind] = kinds.get(step.kind, 0) + 1
+        attributed = attribute_step(step, cost, bandwidth, flops)
+        decode = attributed.shares["decode"]
+        marginal_flops += decode.flops
+        marginal_bytes += decode.moved_bytes
+        # The split this replaces: every quantity in proportion to the phases' token counts.
+        share = step.decode_tokens / (step.prefill_tokens + step.decode_tokens)
+        share_flops += attributed.flops * share
+        share_bytes += (attributed.read_bytes + attributed.written_bytes) * share
+    return {
+        "steps": kinds,
+        "marginal_cost_flops_per_byte": marginal_flops / marginal_bytes if marginal_bytes else 0.0,
+        "token_share_flops_per_byte": share_flops / share_bytes if share_bytes else 0.0,
+    }
+
+
+async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    from server.vllm_stats import stat_logger_factory
+
+    recorded: list[tuple[float, StepRecord]] = []
+    forward = StepForwarder()
+    forward.sink = lambda step: recorded.append((time.monotonic(), step))
+    path = ensure_default_model()
+    engine_args = AsyncEngineArgs(
+        model=str(path),
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        kv_cache_memory_bytes=2**30,
+        disable_log_stats=False,
+        enable_logging_iteration_details=True,
+        enable_mfu_metrics=True,
+    )
+    llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(forward)])
+    try:
+        cost = model_cost_from_config(
+            llm.model_config.hf_config.to_dict(), count_checkpoint_parameters(Path(path)) or 0, "float32"
+        )
+        stop = asyncio.Event()
+        all_decoding = asyncio.Event()
+        decoding: set[int] = set()
+
+        async def decoder(index: int) -> None:
+            params = SamplingParams(max_tokens=2_000, ignore_eos=True)
+            async for _ in llm.generate({"prompt_token_ids": [100 + index, 200, 300]}, params, f"decode-{index}"):
+                decoding.add(index)
+                if len(decoding) == DECODERS:
+                    all_decoding.set()
+                if stop.is_set():
+                    return
+
+        tasks = [asyncio.create_task(decoder(index)) for index in range(DECODERS)]
+        await all_decoding.wait()
+        started = time.monotonic()
+        await asyncio.sleep(decode_seconds)
+        prompts_from = time.monotonic()
+        rng = random.Random(1)
+        for index in range(prompts):
+            prompt = [rng.randrange(1_000, 40_000) for _ in range(prompt_tokens)]
+            async for _ in llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), f"prompt-{index}"):
+                pass
+        ended = time.monotonic()
+        stop.set()
+        await asyncio.gather(*tasks)
+    finally:
+        llm.shutdown()
+    # Peaks weigh only the split of a mixed step's time, which intensity does not use.
+    bandwidth, flops = 15.31e9, 82.04e9
+    return {
+        "command": f"python -m loadtests.phase_split --prompts {prompts} --prompt-tokens {prompt_tokens}",
+        "decoders": DECODERS,
+        "decode_only": decode_intensities(
+            [s for t, s in recorded if started < t <= prompts_from], cost, bandwidth, flops
+        ),
+        "with_prompts": decode_intensities(
+            [s for t, s in recorded if prompts_from < t <= ended], cost, bandwidth, flops
+        ),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--prompts", type=int, default=3)
+    parser.add_argument("--prompt-tokens", type=int, default=250)
+    parser.add_argument("--decode-seconds", type=float, default=4.0)
+    parser.add_argument("--json", type=Path, help="also write the results here")
+    args = parser.parse_args()
+    result = asyncio.run(measure(args.prompts, args.prompt_tokens, args.decode_seconds))
+    text = json.dumps(result, indent=2)
+    print(text)
+    if args.json:
+        args.json.write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
