@@ -1,4 +1,4 @@
-"""`phasescope roofline` and `phasescope hardware`: the calculator and the peaks, on the command line."""
+"""`phasescope roofline`: the calculator on the command line, with a running server's live points."""
 
 from __future__ import annotations
 
@@ -6,15 +6,24 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from telemetry.exposition import fetch_samples
 from telemetry.hardware import DATASHEET, HardwarePeaks, lookup_device
 from telemetry.model_cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from telemetry.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
 
+if TYPE_CHECKING:
+    from server.commands import Subparsers
 
-def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
+
+def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "roofline",
+        help="what a model's decode and prefill can reach on a device",
+        description="Decode ceilings per batch size, compute utilisation and idleness, and the batch where decode "
+        "turns compute-bound, from the model's size and the device's datasheet peaks.",
+    )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (no KV-cache or attention terms)")
     model.add_argument("--model", type=Path, help="Hugging Face model folder, or a bare config.json")
@@ -37,6 +46,7 @@ def add_roofline_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
     parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
+    return parser
 
 
 def _cost_and_peaks(args: argparse.Namespace) -> tuple[ModelCost, HardwarePeaks]:
@@ -178,7 +188,7 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
     plt.close(figure)
 
 
-def run_roofline(args: argparse.Namespace) -> int:
+def cmd(args: argparse.Namespace) -> int:
     cost, peaks = _cost_and_peaks(args)
     try:
         batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
@@ -209,39 +219,3 @@ def run_roofline(args: argparse.Namespace) -> int:
         plot(report, args.plot, live)
         print(f"roofline chart written to {args.plot}", file=sys.stderr)
     return 0
-
-
-def run_hardware(args: argparse.Namespace) -> int:
-    from server.default_model import cache_root
-    from server.peaks import engine_threads
-    from telemetry.probe import cached_measure
-
-    if args.list:
-        for key, peaks in DATASHEET.items():
-            families = ", ".join(f"{f} {v / 1e12:g} TFLOP/s" for f, v in peaks.flops_per_second.items())
-            bandwidth = peaks.memory_bandwidth_bytes_per_second / 1e12
-            print(f"{key:>10}  {bandwidth:5.3g} TB/s  {families}  ({peaks.description})")
-        return 0
-    result, cached = cached_measure(
-        cache_root(),
-        device=args.device,
-        dtype=args.dtype,
-        threads=args.threads or engine_threads(),
-        refresh=args.refresh,
-    )
-    peaks = result.peaks()
-    print(f"device: {result.device} ({'cached' if cached else 'measured now'}, {result.seconds_taken:.1f} s)")
-    print(f"threads: {result.threads}")
-    bandwidth = result.memory_bandwidth_bytes_per_second / 1e9
-    print(f"memory bandwidth (triad a = b + s×c, 3 × array bytes per pass): {bandwidth:.2f} GB/s")
-    print(f"matmul {result.dtype} (2 × n³ FLOPs per product): {result.matmul_flops_per_second / 1e9:.2f} GFLOP/s")
-    print(f"ridge point: {peaks.ridge_point_flops_per_byte(result.dtype):.2f} FLOP/byte")
-    return 0
-
-
-def add_hardware_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--list", action="store_true", help="print the datasheet table instead of measuring")
-    parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what to measure (default cpu)")
-    parser.add_argument("--dtype", default="float32", help="matmul dtype (default float32, the CPU's serving dtype)")
-    parser.add_argument("--threads", type=int, help="threads to measure with (default: the cores this process may use)")
-    parser.add_argument("--refresh", action="store_true", help="measure again instead of reading the cache")
