@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import psutil
 
-from loadtests.bench import ManagedProcess, free_port
+from loadtests.harness import ManagedProcess, free_port
 
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
 METHOD = "/floor.Floor/Stream"
@@ -125,12 +125,11 @@ def listening(port: int) -> bool:
 
 def measure(transport: str, streams: int, rate: float, seconds: float, log: Path) -> dict[str, Any]:
     port = free_port()
-    server = ManagedProcess(
+    with ManagedProcess(
         [sys.executable, "-m", "loadtests.transport_floor", "--serve", transport, "--port", str(port),
          "--rate", str(rate), "--seconds", str(seconds)],
         log,
-    )  # fmt: skip
-    try:
+    ) as server:  # fmt: skip
         server.wait_until(lambda: listening(port), f"the {transport} server", timeout=30)
         time.sleep(1.0)  # let start-up work finish before the window opens
         process = psutil.Process(server.process.pid)
@@ -145,8 +144,6 @@ def measure(transport: str, streams: int, rate: float, seconds: float, log: Path
             thread.join(seconds + 60)
         elapsed = time.monotonic() - started
         after = process.cpu_times()
-    finally:
-        server.stop()
     cpu = (after.user - before.user) + (after.system - before.system)
     messages = sum(counts)
     return {

@@ -1,6 +1,9 @@
 # Sourced by loadtest.sh and soak.sh: start a phasescope on free loopback ports in its own
 # process group, wait until health says SERVING, and stop it (engine included) on exit.
 # Needs BIN and RESULTS; sets ADDRESS and server_pid.
+# The shell twin of loadtests/harness.py (same ports, process group and stop sequence): the
+# server must outlive this script's own commands (locust, the soak's RSS probes) and hand
+# them its pid, which a Python supervisor in between would only hide.
 
 server_pid=""
 
@@ -14,7 +17,7 @@ stop_server() {
 }
 
 free_port() {
-    "$BIN/python" -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])'
+    "$BIN/python" -c 'from loadtests.harness import free_port; print(free_port())'
 }
 
 start_server() {

@@ -14,7 +14,7 @@ from typing import Any
 
 import yaml
 
-from support.servers import free_port
+from loadtests.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
