@@ -27,6 +27,7 @@ from typing import Any
 import grpc
 
 from loadtests.bench import EngineSettings, start_phasescope
+from loadtests.harness import wait_engine_idle
 from server.client import PhasescopeClient, build_request
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from telemetry.exposition import fetch_samples, sum_samples
@@ -80,9 +81,7 @@ def measure_batch(address: str, metrics_url: str, batch: int, window: float, max
             context = sum(streams.received) / len(streams.received)
     finally:
         streams.stop()
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline and sum_samples(fetch_samples(metrics_url), "phasescope_requests_in_flight") > 0:
-        time.sleep(0.2)
+    wait_engine_idle(metrics_url, timeout=120, poll_seconds=0.2)
     return {
         "batch_size": batch,
         "mean_tokens_generated_per_stream": context,

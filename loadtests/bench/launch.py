@@ -1,0 +1,85 @@
+"""Starting what the bench measures, one engine at a time, on the same engine settings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from loadtests.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget
+from loadtests.harness import ManagedProcess, PhasescopeProcess, free_port
+
+
+@dataclass
+class EngineSettings:
+    """The engine settings every target of one run shares, so their figures compare."""
+
+    model: str
+    served_name: str
+    dtype: str
+    max_model_len: int
+    kv_cache_gib: float
+    max_num_seqs: int
+
+
+def start_phasescope(
+    settings: EngineSettings, log: Path, extra_args: tuple[str, ...] = ()
+) -> tuple[PhasescopeProcess, PhasescopeTarget]:
+    server = PhasescopeProcess(
+        [
+            "--enforce-eager", "--model", settings.model, "--served-model-name", settings.served_name,
+            "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
+            "--kv-cache-gib", str(settings.kv_cache_gib), "--max-concurrent-requests", str(settings.max_num_seqs),
+            "--max-queued-requests", "4096", *extra_args,
+        ],
+        log,
+    )  # fmt: skip
+    server.wait_serving()
+    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid)
+
+
+def start_openai(settings: EngineSettings, out: Path) -> tuple[ManagedProcess, OpenAITarget]:
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", settings.model,
+        "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
+        "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
+        "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
+        "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+    ]  # fmt: skip
+    server = ManagedProcess(command, out / "vllm-openai.log", env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    base = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        with urllib.request.urlopen(f"{base}/health", timeout=2) as response:
+            return bool(response.status == 200)
+
+    server.wait_until(healthy, "vLLM's OpenAI server")
+    return server, OpenAITarget(base, settings.served_name, server.process.pid)
+
+
+def start_in_process(settings: EngineSettings) -> tuple[Any, InProcessTarget]:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=settings.model, served_model_name=settings.served_name, dtype=settings.dtype,  # type: ignore[arg-type]
+        max_model_len=settings.max_model_len, enforce_eager=True, max_num_seqs=settings.max_num_seqs,
+        kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30), disable_log_stats=True,
+    )  # fmt: skip
+    llm = AsyncLLM.from_engine_args(args)
+    return llm, InProcessTarget(llm)
+
+
+def default_settings(args: argparse.Namespace) -> EngineSettings:
+    model = args.model
+    if not model:
+        from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+
+        model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
+    else:
+        name = Path(model.rstrip("/")).name
+    return EngineSettings(model, name, args.dtype, args.max_model_len, args.kv_cache_gib, args.max_num_seqs)

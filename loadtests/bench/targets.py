@@ -1,0 +1,134 @@
+"""What a sweep streams from: phasescope over gRPC, vLLM's OpenAI server over HTTP, vLLM's AsyncLLM in this process.
+
+Each target fills a `RequestRecord` with the arrival time of every token and
+reports the CPU seconds of its serving front-end process (None when there is
+no separate process to measure).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Any, Protocol
+
+from loadtests.bench.workload import BenchRequest, RequestRecord
+
+
+class Target(Protocol):
+    name: str
+
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None: ...
+
+    def frontend_cpu_seconds(self) -> float | None: ...
+
+
+def _cpu(pid: int | None) -> float | None:
+    if pid is None:
+        return None
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
+
+
+class PhasescopeTarget:
+    def __init__(self, address: str, metrics_url: str | None, pid: int | None) -> None:
+        import grpc
+
+        from phasescope.v1 import inference_pb2_grpc as pb_grpc
+
+        self.name = "phasescope"
+        self.address = address
+        self.metrics_url = metrics_url
+        self._pid = pid
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = pb_grpc.InferenceStub(self._channel)
+
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        from server.client import build_request
+
+        call: Any = self._stub.GenerateStream(
+            build_request(prompt=request.prompt, max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
+            timeout=600,
+        )
+        async for chunk in call:
+            now = time.perf_counter()
+            record.token_times.extend([now] * len(chunk.token_ids))
+            record.output_tokens += len(chunk.token_ids)
+            if chunk.HasField("usage"):
+                record.prompt_tokens = chunk.usage.prompt_tokens
+
+    def frontend_cpu_seconds(self) -> float | None:
+        return _cpu(self._pid)
+
+
+class OpenAITarget:
+    def __init__(self, base_url: str, model: str, pid: int | None) -> None:
+        import aiohttp
+
+        self.name = "vllm-openai"
+        self._url = f"{base_url}/v1/completions"
+        self._model = model
+        self._pid = pid
+        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        body = {
+            "model": self._model,
+            "prompt": request.prompt,
+            "max_tokens": request.max_tokens,
+            "temperature": 0.0,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with self._session.post(self._url, json=body) as response:
+            response.raise_for_status()
+            async for raw in response.content:
+                line = raw.decode().strip()
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                data = json.loads(line[6:])
+                if data.get("usage"):
+                    record.prompt_tokens = data["usage"]["prompt_tokens"]
+                    # Chunks may carry more than one token; usage has the exact count.
+                    missing = data["usage"]["completion_tokens"] - record.output_tokens
+                    if missing > 0 and record.token_times:
+                        record.token_times.extend([record.token_times[-1]] * missing)
+                        record.output_tokens += missing
+                for choice in data.get("choices", []):
+                    if choice.get("text"):
+                        record.token_times.append(now)
+                        record.output_tokens += 1
+
+    def frontend_cpu_seconds(self) -> float | None:
+        return _cpu(self._pid)
+
+    async def close(self) -> None:
+        await self._session.close()
+
+
+class InProcessTarget:
+    """vLLM's AsyncLLM in this process: no network, no serialisation: the engine's own limit."""
+
+    def __init__(self, llm: Any) -> None:
+        self.name = "in-process"
+        self._llm = llm
+
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        params = SamplingParams(
+            max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        )
+        async for output in self._llm.generate(request.prompt, params, f"bench-{request.index}-{time.monotonic_ns()}"):
+            now = time.perf_counter()
+            count = len(output.outputs[0].token_ids)
+            record.token_times.extend([now] * count)
+            record.output_tokens += count
+            record.prompt_tokens = len(output.prompt_token_ids or [])
+
+    def frontend_cpu_seconds(self) -> float | None:
+        return None
