@@ -58,7 +58,6 @@ BUILTIN_PROMPTS = [
 ]
 
 
-@events.init_command_line_parser.add_listener
 def add_arguments(parser: Any) -> None:
     group = parser.add_argument_group("phasescope workload")
     group.add_argument(
@@ -98,6 +97,10 @@ def add_arguments(parser: Any) -> None:
     )
     group.add_argument("--max-p95-e2e-ms", type=float, default=0.0, env_var="PHASESCOPE_LOCUST_MAX_P95_E2E_MS",
                        help="exit non-zero when p95 end-to-end latency exceeds this (0: no bound)")  # fmt: skip
+
+
+# Listeners are registered by call, not as decorators: `add_listener` is untyped and would erase their types.
+events.init_command_line_parser.add_listener(add_arguments)
 
 
 def load_prompts(source: str) -> list[dict[str, Any]]:
@@ -171,10 +174,11 @@ class PhasescopeUser(User):
              response_length=tokens, exception=None, context=context)  # fmt: skip
 
 
-@events.quitting.add_listener
 def gate(environment: Environment, **_: Any) -> None:
     """Turn the run into a CI gate: non-zero exit when failures or p95 latency exceed the bounds."""
     options = environment.parsed_options
+    if options is None:  # an Environment built by code, not by locust's command line: no bounds were given
+        return
     stats = environment.stats
     reasons = []
     if stats.total.num_requests and stats.total.fail_ratio > options.max_fail_ratio:
@@ -186,3 +190,6 @@ def gate(environment: Environment, **_: Any) -> None:
     if reasons:
         print("phasescope gate failed: " + "; ".join(reasons))
         environment.process_exit_code = 1
+
+
+events.quitting.add_listener(gate)

@@ -68,7 +68,7 @@ async def serve_grpc(port: int, rate: float, seconds: float) -> None:
     server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(
         "floor.Floor",
-        {"Stream": grpc.unary_stream_rpc_method_handler(stream)},  # type: ignore[arg-type]  # aio handler
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream)},
     )
     server.add_generic_rpc_handlers((handler,))
     server.add_insecure_port(f"127.0.0.1:{port}")
@@ -102,7 +102,7 @@ def serve_sse(port: int, rate: float, seconds: float) -> None:
 
 def read_grpc(port: int) -> int:
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.unary_stream(METHOD)
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(METHOD)
         return sum(1 for _ in call(b"", timeout=300))
 
 

@@ -66,7 +66,7 @@ def start_in_process(settings: EngineSettings) -> tuple[Any, InProcessTarget]:
     from vllm.v1.engine.async_llm import AsyncLLM
 
     args = AsyncEngineArgs(
-        model=settings.model, served_model_name=settings.served_name, dtype=settings.dtype,  # type: ignore[arg-type]
+        model=settings.model, served_model_name=settings.served_name, dtype=settings.dtype,  # type: ignore[arg-type]  # vLLM's dtype is a Literal; ours is checked by vLLM
         max_model_len=settings.max_model_len, enforce_eager=True, max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30), disable_log_stats=True,
     )  # fmt: skip
