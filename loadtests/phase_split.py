@@ -56,7 +56,7 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
-    from server.vllm_stats import stat_logger_factory
+    from server.vllm_adapter.stats import stat_logger_factory
 
     recorded: list[tuple[float, StepRecord]] = []
     forward = StepForwarder()

@@ -62,7 +62,7 @@ and where its per-step reports go."""
 
 
 def start_vllm_engine(settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> Engine:
-    from server.vllm_engine import VllmEngine
+    from server.vllm_adapter.engine import VllmEngine
 
     return VllmEngine.start(settings, model_path, model_name, steps)
 

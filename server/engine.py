@@ -1,6 +1,6 @@
 """The engine interface the servicer depends on, and the values that cross it.
 
-`server.vllm_engine` implements it over vLLM's `AsyncLLM`. Keeping vLLM behind
+`server.vllm_adapter.engine` implements it over vLLM's `AsyncLLM`. Keeping vLLM behind
 this seam keeps its unstable interfaces in one module.
 """
 

@@ -1,6 +1,6 @@
 """What each engine step did, and the figures over a window of steps (pure: no Prometheus here).
 
-The engine reports every step (server.vllm_stats turns vLLM's SchedulerStats
+The engine reports every step (server.vllm_adapter.stats turns vLLM's SchedulerStats
 into a `StepRecord`). Each step is classified (prefill-only, decode-only or
 mixed), its work is attributed to the phases (`attribute_step`), and
 `StepWindow` turns the steps of the last few seconds into utilisations.

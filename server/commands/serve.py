@@ -33,7 +33,7 @@ def cmd(args: argparse.Namespace) -> int:
     configure_logging(settings.log_level)
     # gRPC's C core prints INFO lines at shutdown unless told otherwise.
     os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
-    from server.vllm_engine import configure_engine_logging
+    from server.vllm_adapter.engine import configure_engine_logging
 
     configure_engine_logging(settings.engine_log_level)
     from server.app import serve

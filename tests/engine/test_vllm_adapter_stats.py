@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
 
-from server.vllm_stats import PhasescopeStatLogger
+from server.vllm_adapter.stats import PhasescopeStatLogger
 from telemetry.errors import TelemetryErrors
 from telemetry.steps import EngineIteration, StepForwarder, StepRecord
 

@@ -1,6 +1,6 @@
 """The `Engine` implementation over vLLM's `AsyncLLM`.
 
-The only module that imports vLLM. Its request stats (`RequestStateStats`)
+With the stat logger beside it, the only code that imports vLLM. Its request stats (`RequestStateStats`)
 and errors are translated here into the project's own types.
 """
 
@@ -21,7 +21,7 @@ from server.config import Settings
 from server.engine import EngineStep, ModelDescription
 from server.errors import EngineUnavailableError, InvalidRequestError
 from server.validation import ModelLimits, ParsedInput, SamplingSpec
-from server.vllm_stats import stat_logger_factory
+from server.vllm_adapter.stats import stat_logger_factory
 from telemetry.model_cost import count_checkpoint_parameters, model_cost_from_config
 from telemetry.phases import EngineTimestamps
 from telemetry.probe import cpu_name
