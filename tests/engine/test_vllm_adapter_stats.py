@@ -62,7 +62,7 @@ def test_engine_inter_token_latencies_and_preemptions_are_forwarded() -> None:
     seen: list[EngineIteration] = []
     forward = StepForwarder()
     forward.iteration_sink = seen.append
-    iteration = IterationStats()
+    iteration = IterationStats()  # type: ignore[no-untyped-call]  # vLLM leaves its __init__ unannotated
     iteration.inter_token_latencies_iter = [0.01, 0.5]
     iteration.num_preempted_reqs = 1
     logger(forward).record(None, iteration)

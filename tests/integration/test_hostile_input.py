@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -88,7 +89,8 @@ fuzzed_requests = st.builds(
 
 def to_request(values: tuple[object, ...]) -> pb.GenerateRequest:
     kind, text, ids, max_tokens, temperature, top_p, top_k, min_p, stop, stop_ids, penalty = values
-    sampling: dict[str, object] = {"max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_ids}
+    # Values of every type on purpose: the fuzz sends what a typed client would refuse to build.
+    sampling: dict[str, Any] = {"max_tokens": max_tokens, "stop": stop, "stop_token_ids": stop_ids}
     for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("min_p", min_p),
                         ("repetition_penalty", penalty)):  # fmt: skip
         if value is not None:
@@ -98,7 +100,8 @@ def to_request(values: tuple[object, ...]) -> pb.GenerateRequest:
     if kind == "chat":
         return build_request(chat=[("user", str(text))], **sampling)
     if kind == "token_ids":
-        return build_request(token_ids=list(ids), **sampling)  # type: ignore[call-overload]
+        assert isinstance(ids, list)  # st.lists
+        return build_request(token_ids=ids, **sampling)
     return build_request(**sampling)
 
 
@@ -120,7 +123,8 @@ def status_of(client: PhasescopeClient, request: pb.GenerateRequest) -> grpc.Sta
     try:
         client.generate(request)
     except grpc.RpcError as exc:
-        return exc.code()  # type: ignore[no-any-return]  # grpc's RpcError is untyped
+        code: grpc.StatusCode = exc.code()
+        return code
     return grpc.StatusCode.OK
 
 

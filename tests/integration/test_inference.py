@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -161,7 +162,7 @@ def test_async_client_streams_and_describes(server: ServerProcess) -> None:
 
 def test_reflection_lists_the_services(server: ServerProcess) -> None:
     with grpc.insecure_channel(server.address) as channel:
-        stub = reflection_pb2_grpc.ServerReflectionStub(channel)
+        stub: Any = reflection_pb2_grpc.ServerReflectionStub(channel)  # the stubs declare no methods
         request = reflection_pb2.ServerReflectionRequest(list_services="")
         responses = list(stub.ServerReflectionInfo(iter([request]), timeout=10))
     names = {service.name for service in responses[0].list_services_response.service}

@@ -16,7 +16,8 @@ class OtlpReceiver(trace_service_pb2_grpc.TraceServiceServicer):
         self._spans: list[trace_pb2.Span] = []
         self._lock = threading.Lock()
         self._server = grpc.server(futures.ThreadPoolExecutor(max_workers=4))
-        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)
+        # opentelemetry-proto's generated gRPC module carries no annotations.
+        trace_service_pb2_grpc.add_TraceServiceServicer_to_server(self, self._server)  # type: ignore[no-untyped-call]
         self.port = self._server.add_insecure_port("127.0.0.1:0")
         self._server.start()
 

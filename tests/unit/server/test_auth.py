@@ -23,14 +23,15 @@ async def call(metadata: tuple[tuple[str, str], ...] | None, service: str = SERV
     server = grpc.aio.server(interceptors=[BearerTokenInterceptor((b"s3cret", b"other"), exempt=(OPEN,))])
     for name in (SERVICE, OPEN):
         server.add_generic_rpc_handlers(
-            (grpc.method_handlers_generic_handler(name, {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),)  # type: ignore[arg-type]  # aio handler
+            (grpc.method_handlers_generic_handler(name, {"Echo": grpc.unary_unary_rpc_method_handler(echo)}),)
         )
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             try:
-                result: bytes = await channel.unary_unary(f"/{service}/Echo")(b"hi", metadata=metadata)
+                echo_call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{service}/Echo")
+                result: bytes = await echo_call(b"hi", metadata=metadata)
                 return result
             except grpc.aio.AioRpcError as exc:
                 return exc.code()

@@ -1,3 +1,5 @@
+import argparse
+
 import pytest
 
 from server.cli import build_parser
@@ -45,15 +47,10 @@ def test_bad_environment_value_names_the_variable() -> None:
 
 def test_serve_help_documents_every_setting() -> None:
     parser = build_parser()
-    serve = next(
-        action
-        for action in parser._subparsers._group_actions  # type: ignore[union-attr]  # argparse keeps subparsers here
-    ).choices["serve"]
+    subparsers = next(action for action in parser._actions if isinstance(action, argparse._SubParsersAction))
+    serve = subparsers.choices["serve"]
     help_text = serve.format_help()
+    # Every field of the one settings object is a flag: a new setting cannot be left out.
     for name in Settings.__dataclass_fields__:
         assert "--" + name.replace("_", "-") in help_text
-    for required in ("--model", "--host", "--port", "--metrics-port", "--max-model-len", "--max-concurrent-requests",
-                     "--max-queued-requests", "--enforce-eager", "--kv-cache-gib", "--dtype", "--tensor-parallel-size",
-                     "--pipeline-parallel-size", "--data-parallel-size"):  # fmt: skip
-        assert required in help_text
     assert "PHASESCOPE_KV_CACHE_GIB" in help_text

@@ -38,8 +38,8 @@ async def start_server() -> tuple[grpc.aio.Server, str]:
             grpc.method_handlers_generic_handler(
                 SERVICE,
                 {
-                    "Unary": grpc.unary_unary_rpc_method_handler(unary),  # type: ignore[arg-type]  # aio handler
-                    "Stream": grpc.unary_stream_rpc_method_handler(stream),  # type: ignore[arg-type]  # aio handler
+                    "Unary": grpc.unary_unary_rpc_method_handler(unary),
+                    "Stream": grpc.unary_stream_rpc_method_handler(stream),
                 },
             ),
         )
@@ -60,13 +60,13 @@ async def served() -> AsyncIterator[grpc.aio.Channel]:
 
 
 async def call_unary(channel: grpc.aio.Channel, payload: bytes) -> bytes:
-    method = channel.unary_unary(f"/{SERVICE}/Unary")
+    method: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(f"/{SERVICE}/Unary")
     result: bytes = await method(payload)
     return result
 
 
 async def call_stream(channel: grpc.aio.Channel, payload: bytes) -> list[bytes]:
-    method = channel.unary_stream(f"/{SERVICE}/Stream")
+    method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/Stream")
     return [chunk async for chunk in method(payload)]
 
 
@@ -105,7 +105,8 @@ def test_stream_error_after_chunks_ends_the_stream_with_the_status() -> None:
             chunks: list[bytes] = []
 
             async def read() -> None:
-                async for chunk in channel.unary_stream(f"/{SERVICE}/Stream")(b"overload"):
+                method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/Stream")
+                async for chunk in method(b"overload"):
                     chunks.append(chunk)
 
             with pytest.raises(grpc.aio.AioRpcError) as caught:

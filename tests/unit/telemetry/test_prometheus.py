@@ -155,7 +155,7 @@ def test_a_failing_observer_does_not_stop_the_others_and_is_counted(registry: Co
             return fail
 
     errors = TelemetryErrors(MODEL, registry)
-    group = ObserverGroup([Broken(), PrometheusRequestObserver(registry)], on_error=errors)  # type: ignore[list-item]  # duck-typed on purpose
+    group = ObserverGroup([Broken(), PrometheusRequestObserver(registry)], on_error=errors)
     group.request_started(MODEL)
     group.request_first_token(first_token())
     group.tokens_generated(MODEL, 3)

@@ -1,16 +1,22 @@
 import pytest
 
-from telemetry.hardware import lookup_device
+from telemetry.hardware import HardwarePeaks, lookup_device
 from telemetry.model_cost import model_cost_from_config, model_cost_from_numbers
 from telemetry.roofline import compute_bound_batch_size, decode_step, roofline
 
-H100 = lookup_device("h100-sxm")
-assert H100 is not None
+
+def datasheet(name: str) -> HardwarePeaks:
+    peaks = lookup_device(name)
+    assert peaks is not None, name
+    return peaks
+
+
+H100 = datasheet("h100-sxm")
 
 
 def test_reference_case_70b_bf16_on_h100_sxm() -> None:
     # The reference case (docs/roofline.md): 3.35e12 / 140e9 ≈ 24 tokens/s; 2 × 70e9 FLOPs per token → ≈ 3.35 TFLOP/s
-    # (DESIGN rounds 24 tok/s first and writes 3.36); 0.34 % of 989 TFLOP/s; idle 99.7 %.
+    # (3.36, the figure usually quoted, rounds 24 tok/s first); 0.34 % of 989 TFLOP/s; idle 99.7 %.
     row = decode_step(model_cost_from_numbers(70_000_000_000, "bf16"), H100, "bf16", batch_size=1, context_length=0)
     assert row.decode_tokens_per_second_total == pytest.approx(23.9, rel=5e-3)
     assert row.achieved_flops_per_second == pytest.approx(3.35e12, rel=5e-3)
