@@ -8,7 +8,6 @@ After all of it the server is healthy and the engine holds no request.
 from __future__ import annotations
 
 import os
-import time
 from typing import Any
 
 import grpc
@@ -133,11 +132,6 @@ def test_after_all_of_it_the_server_is_healthy_and_the_engine_idle(
 ) -> None:
     assert server.process.poll() is None
     assert server.health() == "SERVING"
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and server.sample_sum("phasescope_engine_requests", state="running") > 0:
-        time.sleep(0.1)
-    assert server.sample_sum("phasescope_engine_requests", state="running") == 0
-    assert server.sample_sum("phasescope_engine_requests", state="waiting") == 0
-    assert server.sample_sum("phasescope_requests_in_flight") == 0
+    assert server.wait_engine_idle(timeout=10) == {"running": 0, "waiting": 0, "in_flight": 0}
     answer = client.generate(build_request(chat=[("user", "What is the capital of France?")], temperature=0.0))
     assert "Paris" in answer.text
