@@ -71,6 +71,9 @@ class ModelCost:
     head_dim: int
     hidden_size: int
     kv_bytes_per_element: int
+    attention_width: int = 0
+    """Query heads × head dimension: the width attention computes over (differs from
+    `hidden_size` in Gemma and some Qwen3 models); 0 falls back to `hidden_size`."""
 
     @property
     def weight_bytes(self) -> int:
@@ -79,9 +82,10 @@ class ModelCost:
 
     def flops_per_token(self, context_length: int = 0) -> float:
         # FLOPs per token ≈ 2 × parameters (one multiply and one add per weight)
-        # + attention: 4 × layers × context × hidden (QKᵀ and AV over the context);
-        # the attention term is small at short context and 0 when the shape is unknown.
-        return 2.0 * self.parameter_count + 4.0 * self.num_layers * context_length * self.hidden_size
+        # + attention: 4 × layers × context × (query heads × head dim) for QKᵀ and AV over
+        # the context; small at short context and 0 when the shape is unknown.
+        width = self.attention_width or self.hidden_size
+        return 2.0 * self.parameter_count + 4.0 * self.num_layers * context_length * width
 
     @property
     def kv_cache_bytes_per_token(self) -> int:
@@ -106,7 +110,14 @@ def model_cost_from_numbers(parameter_count: int, dtype: str) -> ModelCost:
 def model_cost_from_folder(folder: Path, dtype: str | None = None, parameter_count: int | None = None) -> ModelCost:
     """Cost of a Hugging Face model folder (or a bare `config.json`); parameters counted from its checkpoint."""
     config_path = folder / "config.json" if folder.is_dir() else folder
-    config = json.loads(config_path.read_text())
+    if not config_path.is_file():
+        raise ValueError(f"no model config at {config_path} (give a Hugging Face model folder or its config.json)")
+    try:
+        config = json.loads(config_path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{config_path} is not JSON: {exc}") from exc
+    if not isinstance(config, dict):
+        raise ValueError(f"{config_path} holds no JSON object")
     if parameter_count is None:
         parameter_count = count_checkpoint_parameters(config_path.parent)
     if parameter_count is None:
@@ -118,20 +129,31 @@ def model_cost_from_folder(folder: Path, dtype: str | None = None, parameter_cou
 def model_cost_from_config(
     config: Mapping[str, object], parameter_count: int, dtype: str, kv_cache_dtype: str | None = None
 ) -> ModelCost:
-    """Cost of a model described by a Hugging Face `config.json` (as a mapping)."""
+    """Cost of a model described by a Hugging Face `config.json` (as a mapping).
+
+    Multimodal and newer configs (Gemma 3, Llama 4, Mistral 3) nest the language model's
+    shape under `text_config`: its fields win over the top level's.
+    """
+    nested = config.get("text_config")
+    if isinstance(nested, Mapping):
+        config = {**config, **nested}
 
     def integer(*names: str) -> int | None:
         for name in names:
             value = config.get(name)
-            if isinstance(value, int):
+            if isinstance(value, int) and not isinstance(value, bool):
                 return value
         return None
 
-    layers = integer("num_hidden_layers", "n_layer", "num_layers")
-    hidden = integer("hidden_size", "n_embd", "d_model")
-    heads = integer("num_attention_heads", "n_head")
-    if layers is None or hidden is None or heads is None:
-        raise ValueError("config lacks num_hidden_layers, hidden_size or num_attention_heads")
+    shape = {
+        "num_hidden_layers": integer("num_hidden_layers", "n_layer", "num_layers"),
+        "hidden_size": integer("hidden_size", "n_embd", "d_model"),
+        "num_attention_heads": integer("num_attention_heads", "n_head"),
+    }
+    missing = [name for name, value in shape.items() if value is None]
+    if missing:
+        raise ValueError(f"the model config lacks {', '.join(missing)} (looked at the top level and text_config)")
+    layers, hidden, heads = (value or 0 for value in shape.values())
     kv_heads = integer("num_key_value_heads", "num_kv_heads") or heads
     head_dim = integer("head_dim") or hidden // heads
     element = dtype_bytes(dtype)
@@ -143,4 +165,5 @@ def model_cost_from_config(
         head_dim=head_dim,
         hidden_size=hidden,
         kv_bytes_per_element=dtype_bytes(kv_cache_dtype) if kv_cache_dtype else element,
+        attention_width=heads * head_dim,
     )

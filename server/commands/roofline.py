@@ -35,7 +35,11 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--peak-memory-bandwidth", type=float, help="override: peak bytes/s, e.g. 3.35e12")
     parser.add_argument("--peak-flops", type=float, help="override: peak dense FLOP/s, e.g. 989e12")
-    parser.add_argument("--parameters-in-checkpoint", type=int, help="with --model: parameter count, if no safetensors")
+    parser.add_argument(
+        "--parameters-in-checkpoint",
+        type=_parameter_count,
+        help="with --model: parameter count, if no safetensors (e.g. 46.7e9)",
+    )
     parser.add_argument(
         "--batch-sizes",
         default=",".join(map(str, DEFAULT_BATCH_SIZES)),
@@ -49,14 +53,26 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     return parser
 
 
+def _parameter_count(text: str) -> int:
+    """A parameter count as a person writes it: 134515008 or 46.7e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return int(value)
+
+
 def _cost_and_peaks(args: argparse.Namespace) -> tuple[ModelCost, HardwarePeaks]:
+    """The model's cost and the device's peaks; ValueError names what is missing or unknown."""
+    peaks = lookup_device(args.hardware)
+    if peaks is None:
+        raise ValueError(f"unknown --hardware {args.hardware!r}; known: {', '.join(DATASHEET)}")
     if args.params is not None:
         cost = model_cost_from_numbers(int(args.params), args.dtype)
     else:
         cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint)
-    peaks = lookup_device(args.hardware)
-    if peaks is None:
-        raise SystemExit(f"phasescope roofline: unknown --hardware {args.hardware!r}; known: {', '.join(DATASHEET)}")
     return cost, peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
 
 
@@ -189,7 +205,12 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
 
 
 def cmd(args: argparse.Namespace) -> int:
-    cost, peaks = _cost_and_peaks(args)
+    try:
+        cost, peaks = _cost_and_peaks(args)
+    except (ValueError, OSError) as exc:
+        # Bad input gets one line naming what is wrong, never a traceback.
+        print(f"phasescope roofline: {exc}", file=sys.stderr)
+        return 2
     try:
         batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
     except ValueError:

@@ -49,6 +49,39 @@ def test_model_folder_gives_kv_bytes(tmp_path: Path, capsys: pytest.CaptureFixtu
     assert data["weight_bytes"] == 134515008 * 2
 
 
-def test_unknown_hardware_is_refused() -> None:
-    with pytest.raises(SystemExit, match="unknown --hardware"):
-        main(["roofline", "--params", "1e9", "--hardware", "abacus"])
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Exit status 2 and exactly one line on stderr, no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_unknown_hardware_is_refused_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--params", "1e9", "--hardware", "abacus"], capsys)
+    assert "unknown --hardware 'abacus'" in line
+    assert "h100-sxm" in line
+
+
+def test_a_missing_model_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--model", str(tmp_path / "nowhere"), "--parameters-in-checkpoint", "7e9"], capsys)
+    assert f"no model config at {tmp_path / 'nowhere'}" in line
+
+
+def test_a_config_without_the_shape_names_what_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A bare MoE config of the kind that printed a traceback: no layer count, width or heads.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "vocab_size": 32000}))
+    line = refusal(["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "46.7e9"], capsys)
+    assert "lacks num_hidden_layers, hidden_size, num_attention_heads" in line
+
+
+def test_a_config_that_is_not_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    assert "is not JSON" in refusal(["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "1e9"], capsys)
+
+
+def test_an_unknown_dtype_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unknown dtype 'fp7'" in refusal(["roofline", "--params", "1e9", "--dtype", "fp7"], capsys)

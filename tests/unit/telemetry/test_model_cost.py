@@ -67,3 +67,30 @@ def test_parameters_are_counted_from_the_checkpoint(tmp_path: Path) -> None:
 
 def test_folder_without_checkpoint_counts_nothing(tmp_path: Path) -> None:
     assert count_checkpoint_parameters(tmp_path) is None
+
+
+def test_nested_text_config_is_read_and_attention_uses_heads_times_head_dim() -> None:
+    # Gemma 3 (4B) nests its language model under text_config, and its attention is
+    # 8 heads × 256 = 2,048 wide while the hidden size is 2,560.
+    config = {
+        "architectures": ["Gemma3ForConditionalGeneration"],
+        "text_config": {
+            "hidden_size": 2560,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 4,
+            "head_dim": 256,
+            "num_hidden_layers": 34,
+        },
+        "vision_config": {"hidden_size": 1152, "num_hidden_layers": 27},
+    }
+    cost = model_cost_from_config(config, parameter_count=4_000_000_000, dtype="bf16")
+    assert cost.num_layers == 34
+    # KV per token = 2 × 34 layers × 4 KV heads × 256 × 2 bytes.
+    assert cost.kv_cache_bytes_per_token == 2 * 34 * 4 * 256 * 2
+    # Attention FLOPs at 1,000 tokens of context: 4 × 34 × 1,000 × 2,048 (not × 2,560).
+    assert cost.flops_per_token(1000) - cost.flops_per_token(0) == 4 * 34 * 1000 * 2048
+
+
+def test_a_config_without_its_shape_names_each_missing_field() -> None:
+    with pytest.raises(ValueError, match="lacks num_hidden_layers, num_attention_heads"):
+        model_cost_from_config({"hidden_size": 64}, 1, "bf16")
