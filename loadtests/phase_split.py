@@ -1,6 +1,6 @@
 """Decode's operating point with prompts arriving beside it: the marginal-cost split vs a token-share split.
 
-Runs the embedded default in-process (AsyncLLM, the project's own stat
+Runs the embedded default in-process (the server's own `VllmEngine` and stat
 logger), lets four streams decode alone, then sends long prompts one after
 another so chunked prefill mixes them into the decode steps. Every step the
 engine reports is attributed both ways; decode's arithmetic intensity
@@ -18,11 +18,14 @@ import asyncio
 import json
 import random
 import time
+from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from server.default_model import ensure_default_model
-from telemetry.model_cost import ModelCost, count_checkpoint_parameters, model_cost_from_config
+from server.config import Settings
+from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from server.validation import SamplingSpec
+from telemetry.model_cost import ModelCost
 from telemetry.steps import StepForwarder, StepRecord, attribute_step
 
 DECODERS = 4
@@ -52,43 +55,30 @@ def decode_intensities(
 
 
 async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> dict[str, Any]:
-    from vllm import SamplingParams
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.v1.engine.async_llm import AsyncLLM
-
-    from server.vllm_adapter.stats import stat_logger_factory
+    from server.vllm_adapter.engine import VllmEngine
 
     recorded: list[tuple[float, StepRecord]] = []
     forward = StepForwarder()
     forward.sink = lambda step: recorded.append((time.monotonic(), step))
-    path = ensure_default_model()
-    engine_args = AsyncEngineArgs(
-        model=str(path),
-        dtype="float32",
-        enforce_eager=True,
-        max_model_len=2048,
-        kv_cache_memory_bytes=2**30,
-        disable_log_stats=False,
-        enable_logging_iteration_details=True,
-        enable_mfu_metrics=True,
+    # The server's own engine, configured as `phasescope serve` configures it.
+    settings = Settings(enforce_eager=True, max_model_len=2048, kv_cache_gib=1.0)
+    engine = await asyncio.to_thread(
+        VllmEngine.start, settings, str(ensure_default_model()), DEFAULT_MODEL_NAME, forward
     )
-    llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(forward)])
     try:
-        cost = model_cost_from_config(
-            llm.model_config.hf_config.to_dict(), count_checkpoint_parameters(Path(path)) or 0, "float32"
-        )
         stop = asyncio.Event()
         all_decoding = asyncio.Event()
         decoding: set[int] = set()
 
         async def decoder(index: int) -> None:
-            params = SamplingParams(max_tokens=2_000, ignore_eos=True)
-            async for _ in llm.generate({"prompt_token_ids": [100 + index, 200, 300]}, params, f"decode-{index}"):
-                decoding.add(index)
-                if len(decoding) == DECODERS:
-                    all_decoding.set()
-                if stop.is_set():
-                    return
+            spec = SamplingSpec(max_tokens=2_000, ignore_eos=True)
+            async with aclosing(engine.generate(f"decode-{index}", [100 + index, 200, 300], spec)) as steps:
+                async for _ in steps:
+                    decoding.add(index)
+                    if len(decoding) == DECODERS:
+                        all_decoding.set()
+                    if stop.is_set():
+                        return
 
         tasks = [asyncio.create_task(decoder(index)) for index in range(DECODERS)]
         await all_decoding.wait()
@@ -98,13 +88,14 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
         rng = random.Random(1)
         for index in range(prompts):
             prompt = [rng.randrange(1_000, 40_000) for _ in range(prompt_tokens)]
-            async for _ in llm.generate({"prompt_token_ids": prompt}, SamplingParams(max_tokens=1), f"prompt-{index}"):
+            async for _ in engine.generate(f"prompt-{index}", prompt, SamplingSpec(max_tokens=1)):
                 pass
         ended = time.monotonic()
         stop.set()
         await asyncio.gather(*tasks)
+        cost = engine.description.cost
     finally:
-        llm.shutdown()
+        await engine.close()
     # Peaks weigh only the split of a mixed step's time, which intensity does not use.
     bandwidth, flops = 15.31e9, 82.04e9
     return {

@@ -57,17 +57,17 @@ class SamplingSpec:
     """Validated sampling values; None means "the model's default"."""
 
     max_tokens: int
-    temperature: float | None
-    top_p: float | None
-    top_k: int | None
-    min_p: float | None
-    seed: int | None
-    stop: tuple[str, ...]
-    stop_token_ids: tuple[int, ...]
-    presence_penalty: float | None
-    frequency_penalty: float | None
-    repetition_penalty: float | None
-    ignore_eos: bool
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
 
 
 class UndecodableRequest:

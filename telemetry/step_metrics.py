@@ -9,6 +9,7 @@ instead of a misleading 0.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -52,16 +53,15 @@ class StepMetrics(Collector):
         *,
         engines: int = 1,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
-        clock: Callable[[], float] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._model = model
         self._cost = cost
         self._dtype = dtype
         self._peaks = peaks
         self._engines = engines
-        window_args = {"clock": clock} if clock is not None else {}
         self.window = StepWindow(
-            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, **window_args
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
         )
         labels = ["model", "engine", "phase"]
         self.flops = Counter(

@@ -85,15 +85,14 @@ class StepForwarder:
     in flight): it goes to `on_error`.
     """
 
-    def __init__(self, on_error: Callable[[str, BaseException], None] | None = None) -> None:
+    def __init__(self, on_error: Callable[[str, BaseException], None] = lambda component, exc: None) -> None:
         self.sink: Callable[[StepRecord], None] | None = None
         self.iteration_sink: Callable[[EngineIteration], None] | None = None
         self.queue_sink: Callable[[int, int, int, float], None] | None = None
         self.on_error = on_error
 
     def failed(self, exc: BaseException) -> None:
-        if self.on_error is not None:
-            self.on_error("step", exc)
+        self.on_error("step", exc)
 
     def _deliver(self, sink: Callable[..., None] | None, *report: object) -> None:
         if sink is None:

@@ -247,20 +247,7 @@ class VllmEngine:
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""
         prompt = self.tokenize(ParsedInput("prompt", prompt="Hello"))
-        spec = SamplingSpec(
-            max_tokens=2,
-            temperature=0.0,
-            top_p=None,
-            top_k=None,
-            min_p=None,
-            seed=None,
-            stop=(),
-            stop_token_ids=(),
-            presence_penalty=None,
-            frequency_penalty=None,
-            repetition_penalty=None,
-            ignore_eos=True,
-        )
+        spec = SamplingSpec(max_tokens=2, temperature=0.0, ignore_eos=True)
         async for _ in self.generate(f"warmup-{uuid.uuid4().hex}", prompt, spec):
             pass
 
