@@ -66,21 +66,21 @@ class StepMetrics(Collector):
         labels = ["model", "engine", "phase"]
         self.flops = Counter(
             "phasescope_model_flops",
-            "FLOPs the engine's steps performed, per phase (the engine's estimate when it gives one, else the "
+            "Modelled FLOPs of the engine's steps, per phase (the engine's estimate when it gives one, else the "
             "cost model's: tokens × 2 × parameters); mixed steps split by token count.",
             labels,
             registry=registry,
         )
         self.bytes_read = Counter(
-            "phasescope_model_bytes_read",
-            "Bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
+            "phasescope_model_read_bytes",
+            "Modelled bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
             "in a mixed step decode pays the weights and its own KV, the prefill chunk only what it adds.",
             labels,
             registry=registry,
         )
         self.written_bytes = Counter(
             "phasescope_model_written_bytes",
-            "Bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
+            "Modelled bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
             "decode pays its tokens' KV, the prefill chunk the rest.",
             labels,
             registry=registry,
@@ -275,7 +275,7 @@ class StepMetrics(Collector):
         )
         bandwidth.add_metric([self._model, source], self.peak_memory_bandwidth_bytes_per_second)
         flops = GaugeMetricFamily(
-            "phasescope_hardware_peak_flops",
+            "phasescope_hardware_peak_flops_per_second",
             "Peak dense FLOP/s in the served dtype each engine is judged against.",
             labels=["model", "source", "dtype"],
         )

@@ -81,7 +81,7 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
         view[f"server_mean_{phase}_ms"] = total / count * 1e3 if count else 0.0
     view["server_requests_without_first_token"] = delta("phasescope_requests_without_first_token_total")
     peak_bandwidth = sum_samples(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
-    peak_flops = sum_samples(after, "phasescope_hardware_peak_flops")
+    peak_flops = sum_samples(after, "phasescope_hardware_peak_flops_per_second")
     # Over the point's wall time, per engine average (peaks are per engine).
     engines = max(1, len({dict(ls).get("engine") for (n, ls) in after if n == "phasescope_engine_requests"}))
 
@@ -94,7 +94,7 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
     device_moved = device_flops = 0.0
     for phase in ("prefill", "decode"):
         view[f"server_{phase}_tokens_per_second"] = delta("phasescope_tokens_total", phase=phase) / duration
-        moved = delta("phasescope_model_bytes_read_total", phase=phase) + delta(
+        moved = delta("phasescope_model_read_bytes_total", phase=phase) + delta(
             "phasescope_model_written_bytes_total", phase=phase
         )
         flops = delta("phasescope_model_flops_total", phase=phase)

@@ -88,7 +88,7 @@ def live_points(metrics_url: str) -> list[dict[str, Any]]:
             intensity[key] = value
         elif name == "phasescope_compute_utilization_ratio":
             utilization[key] = value
-        elif name == "phasescope_hardware_peak_flops":
+        elif name == "phasescope_hardware_peak_flops_per_second":
             peak_flops = value
     return [
         {

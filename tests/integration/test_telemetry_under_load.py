@@ -118,7 +118,7 @@ class DecodingStreams:
 
 def decode_intensity(after: Samples, before: Samples) -> float:
     flops = delta(after, before, "phasescope_model_flops_total", phase="decode")
-    moved = delta(after, before, "phasescope_model_bytes_read_total", phase="decode") + delta(
+    moved = delta(after, before, "phasescope_model_read_bytes_total", phase="decode") + delta(
         after, before, "phasescope_model_written_bytes_total", phase="decode"
     )
     return flops / moved

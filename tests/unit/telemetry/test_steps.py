@@ -132,7 +132,7 @@ def test_window_reports_decode_saturation_then_idle_without_phantom_phases() -> 
     assert device(registry, "phasescope_device_memory_bandwidth_utilization_ratio") == pytest.approx(0.05)
     assert device(registry, "phasescope_device_compute_idle_ratio") == pytest.approx(0.996)
     assert device(registry, "phasescope_engine_busy_ratio") == pytest.approx(0.5)
-    assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(5e10)
+    assert gauge(registry, "phasescope_model_read_bytes_total", "decode") == pytest.approx(5e10)
     assert gauge(registry, "phasescope_engine_busy_seconds_total", "decode") == pytest.approx(5.0)
     assert (
         registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "decode"})
@@ -148,7 +148,7 @@ def test_window_reports_decode_saturation_then_idle_without_phantom_phases() -> 
     assert device(registry, "phasescope_engine_busy_ratio") == 0
     assert registry.get_sample_value("phasescope_decode_batch_size", {"model": "m", "engine": "0"}) == 0
     # Counters keep the history for PromQL windows.
-    assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(5e10)
+    assert gauge(registry, "phasescope_model_read_bytes_total", "decode") == pytest.approx(5e10)
 
 
 def test_device_figures_hold_every_phase_and_each_phase_its_part() -> None:
@@ -189,7 +189,7 @@ def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> 
     roofline.record(StepRecord(0, 0, 0, 2, 2, 0.01, kv_cache_tokens=100))
     # 2 tokens × 2 × 1e6 parameters; weights 4e6 bytes + 100 tokens × 512 bytes of KV; 2 new KV entries written.
     assert gauge(registry, "phasescope_model_flops_total", "decode") == pytest.approx(4e6)
-    assert gauge(registry, "phasescope_model_bytes_read_total", "decode") == pytest.approx(4e6 + 100 * KV)
+    assert gauge(registry, "phasescope_model_read_bytes_total", "decode") == pytest.approx(4e6 + 100 * KV)
     assert gauge(registry, "phasescope_model_written_bytes_total", "decode") == pytest.approx(2 * KV)
     assert (
         registry.get_sample_value("phasescope_cost_model_agreement_ratio", {"model": "m", "quantity": "flops"}) is None
@@ -222,7 +222,7 @@ def test_peaks_and_their_source_are_exported() -> None:
         10
     )
     labels = {"model": "m", "source": "measured", "dtype": "float32"}
-    assert registry.get_sample_value("phasescope_hardware_peak_flops", labels) == 1e12
+    assert registry.get_sample_value("phasescope_hardware_peak_flops_per_second", labels) == 1e12
     info = {"model": "m", "device": "toy device", "source": "measured", "engines": "1"}
     assert registry.get_sample_value("phasescope_hardware_info", info) == 1
 
