@@ -409,8 +409,13 @@ class InferenceServicer:
         assert peaks is not None  # attached together with the engine: each engine's peaks
         bandwidth = peaks.memory_bandwidth_bytes_per_second
         flops = peaks.peak_flops(d.dtype)
+        whole = d.cost.sharded(1, 1)
         return pb.ModelInfo(
-            flops_per_token=d.cost.flops_per_token(),
+            flops_per_token=whole.flops_per_token(),
+            active_parameter_count=d.cost.active_parameter_count,
+            device_weight_bytes=d.cost.device_weight_bytes,
+            device_kv_cache_bytes_per_token=d.cost.device_kv_cache_bytes_per_token,
+            device_flops_per_token=d.cost.flops_per_token(),
             peak_memory_bandwidth_bytes_per_second=bandwidth,
             peak_flops=flops,
             ridge_point_flops_per_byte=flops / bandwidth,

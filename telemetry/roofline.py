@@ -7,7 +7,6 @@ bandwidth until the batch is large enough for the FLOPs to catch up.
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -40,7 +39,14 @@ class RooflineReport:
     peak_source: str
     dtype: str
     context_length: int
+    parameter_count: int
+    """Whole model, every expert."""
+    active_parameter_count: int
+    """Parameters one token goes through (all of them for a dense model)."""
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
     weight_bytes: float
+    """On each device, like every figure below: the model divided between TP × PP devices."""
     kv_bytes_per_token: float
     flops_per_token: float
     peak_memory_bandwidth_bytes_per_second: float
@@ -61,11 +67,12 @@ class RooflineReport:
 def decode_step(cost: ModelCost, peaks: HardwarePeaks, dtype: str, batch_size: int, context_length: int) -> DecodeRow:
     bandwidth = peaks.memory_bandwidth_bytes_per_second
     peak_flops = peaks.peak_flops(dtype)
-    # Bytes moved per decode step ≈ weight bytes + Σ over running sequences of
+    # Bytes moved per decode step on each device ≈ the weights the batch reads (all of them,
+    # or for a mixture of experts the experts its tokens touch) + Σ over running sequences of
     # (context length × KV bytes per token): weights are read once for the whole batch.
-    bytes_per_step = cost.weight_bytes + batch_size * context_length * cost.kv_cache_bytes_per_token
-    # FLOPs per step = batch × FLOPs per token (2 × parameters + attention at this context).
-    flops_per_step = batch_size * cost.flops_per_token(context_length)
+    bytes_per_step = cost.weights_read(batch_size) + batch_size * context_length * cost.device_kv_cache_bytes_per_token
+    # FLOPs per step = batch × FLOPs per token (2 × active parameters + attention at this context).
+    flops_per_step = cost.decode_flops(batch_size, batch_size * context_length)
     # The step lasts as long as its slower resource needs: streaming the bytes or doing the FLOPs.
     memory_seconds = bytes_per_step / bandwidth
     compute_seconds = flops_per_step / peak_flops
@@ -93,24 +100,37 @@ def decode_step(cost: ModelCost, peaks: HardwarePeaks, dtype: str, batch_size: i
 def compute_bound_batch_size(cost: ModelCost, peaks: HardwarePeaks, dtype: str, context_length: int) -> int | None:
     """Smallest batch whose decode step is compute-bound; None if KV traffic keeps it memory-bound forever.
 
-    Solves B × F / peak_flops ≥ (W + B × c × kv) / bandwidth for B:
-    B ≥ (W / bandwidth) ÷ (F / peak_flops − c × kv / bandwidth).
+    B × F ÷ peak FLOP/s ≥ (W(B) + B × c × kv) ÷ peak bytes/s, where W(B) is the weights a batch
+    of B reads (constant for a dense model, growing towards all experts for a mixture of
+    experts). Both sides grow with B and the FLOPs side fastest, so the first B is found by
+    doubling, then bisection; beyond 2²⁰ sequences the answer is "never".
     """
-    bandwidth = peaks.memory_bandwidth_bytes_per_second
-    per_sequence_gain = cost.flops_per_token(context_length) / peaks.peak_flops(dtype) - (
-        context_length * cost.kv_cache_bytes_per_token / bandwidth
-    )
-    if per_sequence_gain <= 0:
-        return None
-    return max(1, math.ceil(cost.weight_bytes / bandwidth / per_sequence_gain))
+
+    def compute_bound(batch: int) -> bool:
+        return decode_step(cost, peaks, dtype, batch, context_length).bound == "compute"
+
+    high = 1
+    while not compute_bound(high):
+        high *= 2
+        if high > 2**20:
+            return None
+    low = high // 2
+    while high - low > 1:
+        middle = (low + high) // 2
+        if compute_bound(middle):
+            high = middle
+        else:
+            low = middle
+    return high
 
 
 def prefill_time(cost: ModelCost, peaks: HardwarePeaks, dtype: str, prompt_tokens: int) -> tuple[float, str]:
-    """Seconds to prefill one prompt, and the roof it hits."""
-    # Token i attends to i earlier tokens: Σ 4 × layers × i × hidden ≈ 2 × layers × hidden × L².
-    flops = 2.0 * cost.parameter_count * prompt_tokens + 2.0 * cost.num_layers * cost.hidden_size * prompt_tokens**2
-    # Weights are read once; the prompt's KV cache is written once.
-    moved = cost.weight_bytes + prompt_tokens * cost.kv_cache_bytes_per_token
+    """Seconds to prefill one prompt on each device, and the roof it hits."""
+    # 2 × active parameters per token, the LM head once, and attention: token i attends to
+    # i earlier tokens, Σ 4 × layers × i × width ≈ 2 × layers × width × n².
+    flops = cost.prefill_flops(prompt_tokens)
+    # The weights its tokens touch are read once; the prompt's KV cache is written once.
+    moved = cost.weights_read(prompt_tokens) + prompt_tokens * cost.device_kv_cache_bytes_per_token
     memory_seconds = moved / peaks.memory_bandwidth_bytes_per_second
     compute_seconds = flops / peaks.peak_flops(dtype)
     return max(memory_seconds, compute_seconds), ("compute" if compute_seconds > memory_seconds else "memory")
@@ -131,8 +151,12 @@ def roofline(
         peak_source=peaks.source,
         dtype=dtype,
         context_length=context_length,
-        weight_bytes=float(cost.weight_bytes),
-        kv_bytes_per_token=float(cost.kv_cache_bytes_per_token),
+        parameter_count=cost.parameter_count,
+        active_parameter_count=cost.active_parameter_count,
+        tensor_parallel_size=cost.tensor_parallel_size,
+        pipeline_parallel_size=cost.pipeline_parallel_size,
+        weight_bytes=cost.device_weight_bytes,
+        kv_bytes_per_token=cost.device_kv_cache_bytes_per_token,
         flops_per_token=cost.flops_per_token(context_length),
         peak_memory_bandwidth_bytes_per_second=peaks.memory_bandwidth_bytes_per_second,
         peak_flops=peaks.peak_flops(dtype),

@@ -10,10 +10,12 @@ telemetry.step_metrics exports them.
 belongs wholly to its phase. In a mixed step (chunked prefill: new prompts'
 chunks scheduled beside running decodes) each phase is charged its marginal
 cost, so that neither phase's operating point is contaminated by the other's:
-- FLOPs ≈ 2 × parameters per token in either phase, so they are split by
-  token count.
+- FLOPs are split in the cost model's proportion: ≈ 2 × active parameters
+  per token in either phase, but the LM head runs once per prefill request
+  and attention depends on each phase's context.
 - Bytes read: decode pays what a decode-only step of its batch would read by
-  the cost model — the weights once, plus its sequences' KV cache (estimated
+  the cost model — the weights its tokens touch once (all of them for a dense
+  model), plus its sequences' KV cache (estimated
   as the cache in use less the chunk's tokens), at most the step's total; the
   prefill chunk pays the rest, everything it adds (its KV, its activations).
 - Bytes written: decode pays its new tokens' KV entries; the chunk the rest.
@@ -142,14 +144,23 @@ class StepCost:
     shares: dict[str, PhaseShare]
 
 
+def decode_context_tokens(step: StepRecord) -> int:
+    """Tokens in the KV cache of the step's decoding sequences: the cache in use less the chunks' tokens."""
+    return max(0, step.kv_cache_tokens - step.prefill_tokens)
+
+
 def model_step_cost(cost: ModelCost, step: StepRecord) -> tuple[float, float, float]:
-    """(FLOPs, bytes read, bytes written) of a step by the project's own cost model."""
+    """(FLOPs, bytes read, bytes written) on each device of a step, by the project's own cost model."""
     tokens = step.prefill_tokens + step.decode_tokens
-    flops = tokens * cost.flops_per_token()
-    # Bytes read ≈ weight bytes (once per step) + the KV cache of the running sequences.
-    read_bytes = cost.weight_bytes + step.kv_cache_tokens * cost.kv_cache_bytes_per_token
+    # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
+    # decode tokens (LM head each, attention over their sequences' context).
+    flops = cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + cost.decode_flops(
+        step.decode_tokens, decode_context_tokens(step)
+    )
+    # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
+    read_bytes = cost.weights_read(tokens) + step.kv_cache_tokens * cost.device_kv_cache_bytes_per_token
     # Bytes written ≈ each computed token's new KV entries.
-    written_bytes = tokens * cost.kv_cache_bytes_per_token
+    written_bytes = tokens * cost.device_kv_cache_bytes_per_token
     return flops, read_bytes, written_bytes
 
 
@@ -168,11 +179,13 @@ def attribute_step(
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total); the chunk pays
         # the rest, everything it adds (its KV, its activations).
-        decode_kv_tokens = max(0, step.kv_cache_tokens - step.prefill_tokens)
-        decode_alone_read = cost.weight_bytes + decode_kv_tokens * cost.kv_cache_bytes_per_token
+        kv_bytes = cost.device_kv_cache_bytes_per_token
+        decode_alone_read = cost.weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
         decode_read_bytes = min(read_bytes, decode_alone_read)
-        decode_written = min(written_bytes, step.decode_tokens * cost.kv_cache_bytes_per_token)
-        decode_flops = flops * token_share
+        decode_written = min(written_bytes, step.decode_tokens * kv_bytes)
+        # FLOPs are split in the cost model's proportion (its decode FLOPs ÷ its step FLOPs).
+        model_decode_flops = cost.decode_flops(step.decode_tokens, decode_context_tokens(step))
+        decode_flops = flops * (model_decode_flops / model_flops if model_flops > 0 else token_share)
         prefill_flops, prefill_read_bytes = flops - decode_flops, read_bytes - decode_read_bytes
         prefill_written = written_bytes - decode_written
 

@@ -8,8 +8,8 @@ import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from telemetry.exposition import fetch_samples
-from telemetry.hardware import DATASHEET, HardwarePeaks, lookup_device
+from telemetry.exposition import Samples, fetch_samples
+from telemetry.hardware import DATASHEET, HardwarePeaks, PeakSource, dtype_family, lookup_device
 from telemetry.model_cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from telemetry.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
 
@@ -26,12 +26,25 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     model = parser.add_mutually_exclusive_group(required=True)
     model.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (no KV-cache or attention terms)")
-    model.add_argument("--model", type=Path, help="Hugging Face model folder, or a bare config.json")
+    model.add_argument(
+        "--model", help="Hugging Face model folder, a bare config.json, or a hub id already in the local cache"
+    )
     parser.add_argument("--dtype", default="bf16", help="served dtype: bf16, fp16, fp8, fp32 (default bf16)")
     parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV-cache dtype as vLLM takes it: auto (the served dtype, 16-bit for 8-bit weights), fp8, bf16 …",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices each layer is split over (default 1)"
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="devices the layers are divided between (default 1)"
+    )
+    parser.add_argument(
         "--hardware",
-        default="h100-sxm",
-        help=f"device from the datasheet table: {', '.join(DATASHEET)} (default h100-sxm)",
+        help=f"device from the datasheet table: {', '.join(DATASHEET)} (default: the --metrics-url server's "
+        "peaks, else h100-sxm)",
     )
     parser.add_argument("--peak-memory-bandwidth", type=float, help="override: peak bytes/s, e.g. 3.35e12")
     parser.add_argument("--peak-flops", type=float, help="override: peak dense FLOP/s, e.g. 989e12")
@@ -64,24 +77,56 @@ def _parameter_count(text: str) -> int:
     return int(value)
 
 
-def _cost_and_peaks(args: argparse.Namespace) -> tuple[ModelCost, HardwarePeaks]:
-    """The model's cost and the device's peaks; ValueError names what is missing or unknown."""
-    peaks = lookup_device(args.hardware)
-    if peaks is None:
-        raise ValueError(f"unknown --hardware {args.hardware!r}; known: {', '.join(DATASHEET)}")
+def _cost_and_peaks(args: argparse.Namespace, served: HardwarePeaks | None) -> tuple[ModelCost, HardwarePeaks]:
+    """The model's cost and the device's peaks; ValueError names what is missing or unknown.
+
+    `served` are the peaks a running server exports (with --metrics-url): its live points are
+    plotted against them unless --hardware names another device.
+    """
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    if args.hardware is None and served is not None:
+        peaks = served
+    else:
+        name = args.hardware or "h100-sxm"
+        found = lookup_device(name)
+        if found is None:
+            raise ValueError(f"unknown --hardware {name!r}; known: {', '.join(DATASHEET)}")
+        peaks = found
     if args.params is not None:
         cost = model_cost_from_numbers(int(args.params), args.dtype)
     else:
-        cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint)
-    return cost, peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
+        cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint, args.kv_cache_dtype)
+    cost = cost.sharded(args.tensor_parallel_size, args.pipeline_parallel_size)
+    peaks = peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
+    peaks.peak_flops(args.dtype)  # a dtype the device has no figure for is refused here, by name
+    return cost, peaks
 
 
-def live_points(metrics_url: str) -> list[dict[str, Any]]:
+def served_peaks(samples: Samples) -> HardwarePeaks | None:
+    """The peaks a running server judges its engines against, from its /metrics samples."""
+    bandwidth = flops = None
+    dtype = source = device = ""
+    for (name, label_set), value in samples.items():
+        labels = dict(label_set)
+        if name == "phasescope_hardware_peak_memory_bandwidth_bytes_per_second":
+            bandwidth, source = value, labels.get("source", "")
+        elif name == "phasescope_hardware_peak_flops_per_second":
+            flops, dtype = value, labels.get("dtype", "")
+        elif name == "phasescope_hardware_info":
+            device = labels.get("device", "")
+    if bandwidth is None or flops is None:
+        return None
+    kind: PeakSource = "measured" if source == "measured" else "datasheet" if source == "datasheet" else "flag"
+    return HardwarePeaks(device or "server", bandwidth, {dtype_family(dtype): flops}, kind, device)
+
+
+def live_points(samples: Samples) -> list[dict[str, Any]]:
     """Operating points (intensity, FLOP/s) per engine and phase from a running server's /metrics."""
     intensity: dict[tuple[str, str], float] = {}
     utilization: dict[tuple[str, str], float] = {}
     peak_flops = 0.0
-    for (name, label_set), value in fetch_samples(metrics_url).items():
+    for (name, label_set), value in samples.items():
         labels = dict(label_set)
         key = (labels.get("engine", ""), labels.get("phase", ""))
         if name == "phasescope_arithmetic_intensity_flops_per_byte":
@@ -115,13 +160,29 @@ def print_table(report: RooflineReport) -> None:
         "FLOP/byte (peak FLOP/s ÷ peak bytes/s)",
         file=out,
     )
+    devices = report.tensor_parallel_size * report.pipeline_parallel_size
+    active = (
+        f" ({report.active_parameter_count / 1e9:,.2f}B active per token)"
+        if report.active_parameter_count != report.parameter_count
+        else ""
+    )
+    print(
+        f"model {report.parameter_count / 1e9:,.2f}B parameters{active}"
+        + (
+            f"; per device of TP {report.tensor_parallel_size} × PP {report.pipeline_parallel_size} = {devices}"
+            if devices > 1
+            else ""
+        ),
+        file=out,
+    )
     print(
         f"weights {gb(report.weight_bytes)}; KV cache {report.kv_bytes_per_token:,.0f} bytes/token; "
         f"{report.flops_per_token / 1e9:,.3f} GFLOP/token at context {report.context_length}",
         file=out,
     )
     print(
-        "decode step: bytes = weights + batch × context × KV bytes/token; FLOPs = batch × FLOPs/token; "
+        "decode step: bytes = weights read (all; a mixture of experts' touched experts) + batch × context × "
+        "KV bytes/token; FLOPs = batch × FLOPs/token; "
         "time = max(bytes ÷ peak bytes/s, FLOPs ÷ peak FLOP/s)",
         file=out,
     )
@@ -206,8 +267,9 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
 
 def cmd(args: argparse.Namespace) -> int:
     try:
-        cost, peaks = _cost_and_peaks(args)
-    except (ValueError, OSError) as exc:
+        samples = fetch_samples(args.metrics_url) if args.metrics_url else {}
+        cost, peaks = _cost_and_peaks(args, served_peaks(samples))
+    except (ValueError, KeyError, OSError) as exc:
         # Bad input gets one line naming what is wrong, never a traceback.
         print(f"phasescope roofline: {exc}", file=sys.stderr)
         return 2
@@ -222,7 +284,7 @@ def cmd(args: argparse.Namespace) -> int:
     report = roofline(
         cost, peaks, args.dtype, batch_sizes=batch_sizes, context_length=args.context, prefill_tokens=args.prompt_tokens
     )
-    live = live_points(args.metrics_url) if args.metrics_url else []
+    live = live_points(samples)
     if args.json:
         data = report.to_json()
         if args.metrics_url:

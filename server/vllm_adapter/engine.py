@@ -22,7 +22,7 @@ from server.engine import EngineStep, ModelDescription
 from server.errors import EngineUnavailableError, InvalidRequestError
 from server.validation import ModelLimits, ParsedInput, SamplingSpec
 from server.vllm_adapter.stats import stat_logger_factory
-from telemetry.model_cost import count_checkpoint_parameters, model_cost_from_config
+from telemetry.model_cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from telemetry.phases import EngineTimestamps
 from telemetry.probe import cpu_name
 from telemetry.steps import StepForwarder
@@ -35,6 +35,23 @@ CPU_DEFAULT_KV_CACHE_GIB = 2.0
 def configure_engine_logging(level: str) -> None:
     """vLLM reads its log level from the environment at import, in every process it spawns."""
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+
+
+def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
+    """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
+    one warning — the cost model never stops the server from starting."""
+    checkpoint = read_checkpoint(folder) if folder.is_dir() else None
+    try:
+        return model_cost_from_config(hf_config, None, dtype, kv_cache_dtype, checkpoint)
+    except ValueError as exc:
+        parameters = checkpoint.elements if checkpoint is not None else 0
+        logger.warning(
+            "the cost model cannot read this model's shape (%s): modelled FLOPs use %d parameters only, "
+            "KV-cache and attention terms are left out; vLLM's own estimates are unaffected",
+            exc,
+            parameters,
+        )
+        return model_cost_from_numbers(parameters, dtype)
 
 
 class VllmEngine:
@@ -100,9 +117,10 @@ class VllmEngine:
             model_config = llm.model_config
             hf_config = model_config.hf_config.to_dict()
             served_dtype = str(model_config.dtype).removeprefix("torch.")
-            folder = Path(model_path)
-            parameters = (count_checkpoint_parameters(folder) if folder.is_dir() else None) or 0
-            cost = model_cost_from_config(hf_config, parameters, served_dtype)
+            parallel = llm.vllm_config.parallel_config
+            cost = _model_cost(
+                hf_config, Path(model_path), served_dtype, str(llm.vllm_config.cache_config.cache_dtype)
+            ).sharded(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
             device = current_platform.device_type
             if device == "cpu":
                 device = f"cpu ({cpu_name()})"
@@ -110,13 +128,12 @@ class VllmEngine:
                 import torch
 
                 device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else device
-            parallel = llm.vllm_config.parallel_config
             description = ModelDescription(
                 model_name=served_model_name,
                 model_path=model_path,
                 max_context_length=model_config.max_model_len,
                 dtype=served_dtype,
-                parameter_count=parameters,
+                parameter_count=cost.parameter_count,
                 weight_bytes=cost.weight_bytes,
                 kv_cache_bytes_per_token=cost.kv_cache_bytes_per_token,
                 vocab_size=model_config.get_vocab_size(),

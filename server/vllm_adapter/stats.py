@@ -20,8 +20,12 @@ from telemetry.steps import EngineIteration, StepForwarder, StepRecord
 
 
 class PhasescopeStatLogger(StatLoggerBase):
-    def __init__(self, vllm_config: VllmConfig, engine_index: int, forward: StepForwarder) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, engine_index: int, forward: StepForwarder, engines: list[int] | None = None
+    ) -> None:
         self._cache_config = vllm_config.cache_config
+        # The engine cores this front end talks to (one logger is made per engine core).
+        self._engines = engines if engines is not None else [engine_index]
         self._engine_index = engine_index
         self._forward = forward
         speculative = vllm_config.speculative_config
@@ -32,8 +36,10 @@ class PhasescopeStatLogger(StatLoggerBase):
         )
 
     def _kv_cache_capacity_tokens(self) -> int:
-        # Known once the engine has profiled its memory; 0 until then.
-        blocks = self._cache_config.num_gpu_blocks or 0
+        # Known once the engine has profiled its memory; 0 until then. With data parallelism the
+        # front end's figure is the sum over its engine cores (vLLM's core client adds them up):
+        # each engine's own cache is its equal share.
+        blocks = (self._cache_config.num_gpu_blocks or 0) / max(1, len(self._engines))
         return int(blocks * (self._cache_config.block_size or 0))
 
     def record(
@@ -100,7 +106,10 @@ class PhasescopeStatLogger(StatLoggerBase):
 def stat_logger_factory(forward: StepForwarder) -> Callable[[VllmConfig, int], Any]:
     """What `AsyncLLM(stat_loggers=[...])` takes: one logger per engine core."""
 
+    engines: list[int] = []
+
     def make(vllm_config: VllmConfig, engine_index: int = 0) -> PhasescopeStatLogger:
-        return PhasescopeStatLogger(vllm_config, engine_index, forward)
+        engines.append(engine_index)
+        return PhasescopeStatLogger(vllm_config, engine_index, forward, engines)
 
     return make

@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry
 from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
 
-from server.vllm_adapter.stats import PhasescopeStatLogger
+from server.vllm_adapter.stats import PhasescopeStatLogger, stat_logger_factory
 from telemetry.errors import TelemetryErrors
 from telemetry.steps import EngineIteration, StepForwarder, StepRecord
 
@@ -44,6 +44,20 @@ def test_a_step_becomes_a_record_with_written_bytes_and_kv_tokens() -> None:
     assert step.written_bytes == 1e6
     # Half of 100 blocks × 16 tokens in use.
     assert step.kv_cache_tokens == 800
+
+
+def test_with_data_parallel_engines_each_reads_its_own_share_of_the_summed_cache() -> None:
+    # vLLM's core client sums num_gpu_blocks over the engine cores it talks to (here 2 × 100 blocks);
+    # half of one engine's 100 blocks × 16 tokens in use is 800 tokens, not 1,600.
+    steps: list[StepRecord] = []
+    forward = StepForwarder()
+    forward.sink = steps.append
+    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=200, block_size=16), speculative_config=None)
+    make = stat_logger_factory(forward)
+    loggers = [make(config, engine) for engine in (0, 1)]  # type: ignore[arg-type]  # a stand-in for VllmConfig
+    loggers[1].record(scheduler_stats(0, 0, 4, 4), None, engine_idx=1)
+    (step,) = steps
+    assert (step.engine, step.kv_cache_tokens) == (1, 800)
 
 
 def test_a_request_resumed_after_preemption_recomputes_as_prefill_not_decode() -> None:

@@ -134,6 +134,14 @@ def test_model_info_describes_the_default_model(client: PhasescopeClient) -> Non
     assert info.weight_bytes == info.parameter_count * {"float32": 4, "bfloat16": 2, "float16": 2}[info.dtype]
     # 2 x 30 layers x 3 KV heads x 64 dims x element bytes.
     assert info.kv_cache_bytes_per_token == 2 * 30 * 3 * 64 * (info.weight_bytes // info.parameter_count)
+    # The config derives the same count as the checkpoint holds (dense: every parameter is active), and
+    # on one device the per-device figures are the whole model's.
+    assert info.active_parameter_count == info.parameter_count
+    assert (info.device_weight_bytes, info.device_kv_cache_bytes_per_token) == (
+        info.weight_bytes,
+        info.kv_cache_bytes_per_token,
+    )
+    assert info.device_flops_per_token == info.flops_per_token
     assert info.vocab_size == 49152
     assert info.device
 

@@ -513,6 +513,10 @@ class ModelInfo(_message.Message):
     RIDGE_POINT_FLOPS_PER_BYTE_FIELD_NUMBER: _builtins.int
     PEAK_SOURCE_FIELD_NUMBER: _builtins.int
     HARDWARE_FIELD_NUMBER: _builtins.int
+    ACTIVE_PARAMETER_COUNT_FIELD_NUMBER: _builtins.int
+    DEVICE_WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
+    DEVICE_KV_CACHE_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DEVICE_FLOPS_PER_TOKEN_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The name clients and metrics know the model by."""
     model_path: _builtins.str
@@ -521,11 +525,15 @@ class ModelInfo(_message.Message):
     dtype: _builtins.str
     """Served dtype, e.g. "bfloat16"."""
     parameter_count: _builtins.int
-    """Counted from the checkpoint."""
+    """Whole model, every expert of a mixture of experts: counted from an unquantised
+    checkpoint, else derived from the model's config.
+    """
     weight_bytes: _builtins.int
-    """parameter_count x bytes per element of the served dtype."""
+    """Whole model: parameter_count x bytes per element of the served dtype, or the stored
+    bytes (weights, scales) of a quantised checkpoint.
+    """
     kv_cache_bytes_per_token: _builtins.int
-    """2 x layers x kv_heads x head_dim x bytes per element."""
+    """Whole model: 2 x layers x kv_heads x head_dim x bytes per element of the KV cache."""
     vocab_size: _builtins.int
     engine: _builtins.str
     engine_version: _builtins.str
@@ -535,9 +543,14 @@ class ModelInfo(_message.Message):
     tensor_parallel_size: _builtins.int
     pipeline_parallel_size: _builtins.int
     flops_per_token: _builtins.float
-    """FLOPs per token of a forward pass at short context: 2 x parameters."""
+    """Whole model: FLOPs of one decode token at short context, 2 x the parameters it goes
+    through (the active experts of a mixture of experts; an untied input embedding is a
+    lookup, not FLOPs).
+    """
     peak_memory_bandwidth_bytes_per_second: _builtins.float
-    """The peaks each engine is judged against (on a CPU, shared between engines)."""
+    """The peaks each engine is judged against (on a CPU, shared between engines); one
+    device's, so they compare with the device_* figures below.
+    """
     peak_flops: _builtins.float
     ridge_point_flops_per_byte: _builtins.float
     """peak_flops / peak_memory_bandwidth_bytes_per_second."""
@@ -545,6 +558,16 @@ class ModelInfo(_message.Message):
     """"datasheet", "measured" or "flag"."""
     hardware: _builtins.str
     """The device the peaks describe."""
+    active_parameter_count: _builtins.int
+    """Parameters one token goes through: parameter_count for a dense model, the shared
+    parts and num_experts_per_tok routed experts for a mixture of experts.
+    """
+    device_weight_bytes: _builtins.float
+    """Per device (the model divided between tensor_parallel_size x pipeline_parallel_size
+    devices, as vLLM's own estimate is): what the live utilisation gauges use.
+    """
+    device_kv_cache_bytes_per_token: _builtins.float
+    device_flops_per_token: _builtins.float
     def __init__(
         self,
         *,
@@ -568,10 +591,14 @@ class ModelInfo(_message.Message):
         ridge_point_flops_per_byte: _builtins.float = ...,
         peak_source: _builtins.str = ...,
         hardware: _builtins.str = ...,
+        active_parameter_count: _builtins.int = ...,
+        device_weight_bytes: _builtins.float = ...,
+        device_kv_cache_bytes_per_token: _builtins.float = ...,
+        device_flops_per_token: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["data_parallel_size", b"data_parallel_size", "device", b"device", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -68,7 +68,7 @@ def test_unknown_hardware_is_refused_naming_the_known_ones(capsys: pytest.Captur
 
 def test_a_missing_model_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     line = refusal(["roofline", "--model", str(tmp_path / "nowhere"), "--parameters-in-checkpoint", "7e9"], capsys)
-    assert f"no model config at {tmp_path / 'nowhere'}" in line
+    assert f"no model at {tmp_path / 'nowhere'}" in line
 
 
 def test_a_config_without_the_shape_names_what_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -85,3 +85,90 @@ def test_a_config_that_is_not_json_is_one_line(tmp_path: Path, capsys: pytest.Ca
 
 def test_an_unknown_dtype_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
     assert "unknown dtype 'fp7'" in refusal(["roofline", "--params", "1e9", "--dtype", "fp7"], capsys)
+
+
+LLAMA_70B = {
+    "model_type": "llama",
+    "hidden_size": 8192,
+    "intermediate_size": 28672,
+    "num_hidden_layers": 80,
+    "num_attention_heads": 64,
+    "num_key_value_heads": 8,
+    "vocab_size": 128256,
+    "tie_word_embeddings": False,
+}
+
+
+def test_tensor_parallel_figures_are_per_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # No checkpoint: the parameter count (70,553,706,496) is derived from the config.
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    argv = ["roofline", "--model", str(tmp_path), "--tensor-parallel-size", "4", "--batch-sizes", "1", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["parameter_count"], data["tensor_parallel_size"]) == (70_553_706_496, 4)
+    assert data["weight_bytes"] == 2 * 70_553_706_496 / 4
+    assert data["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2  # 2 of the 8 KV heads per GPU
+    # Each H100 streams its quarter: 35.3 GB ÷ 3.35 TB/s per step.
+    assert data["rows"][0]["step_seconds"] == pytest.approx(2 * 70_553_706_496 / 4 / 3.35e12)
+
+
+def test_kv_cache_dtype_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    assert main(["roofline", "--model", str(tmp_path), "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 1
+
+
+def test_live_points_are_judged_against_the_server_s_own_peaks() -> None:
+    from server.commands.roofline import live_points, served_peaks
+    from telemetry.exposition import parse_samples
+
+    # What a CPU server exports (its measured peaks) — not --hardware's H100 default.
+    text = "\n".join(
+        [
+            "# TYPE phasescope_hardware_peak_memory_bandwidth_bytes_per_second gauge",
+            'phasescope_hardware_peak_memory_bandwidth_bytes_per_second{model="m",source="measured"} 2e10',
+            "# TYPE phasescope_hardware_peak_flops_per_second gauge",
+            'phasescope_hardware_peak_flops_per_second{model="m",source="measured",dtype="float32"} 4e11',
+            "# TYPE phasescope_hardware_info gauge",
+            'phasescope_hardware_info{model="m",device="cpu (Xeon)",source="measured",engines="1"} 1',
+            "# TYPE phasescope_compute_utilization_ratio gauge",
+            'phasescope_compute_utilization_ratio{model="m",engine="0",phase="decode"} 0.01',
+            "# TYPE phasescope_arithmetic_intensity_flops_per_byte gauge",
+            'phasescope_arithmetic_intensity_flops_per_byte{model="m",engine="0",phase="decode"} 0.5',
+            "",
+        ]
+    )
+    samples = parse_samples(text)
+    peaks = served_peaks(samples)
+    assert peaks is not None
+    assert (peaks.memory_bandwidth_bytes_per_second, peaks.peak_flops("float32")) == (2e10, 4e11)
+    assert (peaks.source, peaks.device) == ("measured", "cpu (Xeon)")
+    (point,) = live_points(samples)
+    assert point["achieved_flops_per_second"] == pytest.approx(0.01 * 4e11)
+
+
+def test_bad_parallel_sizes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--params", "1e9", "--tensor-parallel-size", "0"], capsys)
+    assert "--tensor-parallel-size and --pipeline-parallel-size must be at least 1" in line
+
+
+def test_a_moe_config_without_checkpoint_is_costed_from_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The bare Mixtral config that once printed a traceback now gives a table: 46.7B parameters, 12.9B active.
+    config = {
+        "model_type": "mixtral",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
+        "vocab_size": 32000,
+        "tie_word_embeddings": False,
+    }
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["roofline", "--model", str(tmp_path), "--hardware", "h200", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["parameter_count"], data["active_parameter_count"]) == (46_702_792_704, 12_879_925_248)

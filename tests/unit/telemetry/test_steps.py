@@ -69,17 +69,20 @@ def test_in_a_mixed_step_decode_pays_the_weights_and_its_kv_and_the_chunk_its_ma
     step = StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_400 + 512)
     cost = attribute_step(step, COST, PEAKS.memory_bandwidth_bytes_per_second, 1e12)
     decode, prefill = cost.shares["decode"], cost.shares["prefill"]
-    # FLOPs ≈ 2 × parameters per token in either phase: split by token count.
-    assert decode.flops == pytest.approx(64 * 2e6)
-    assert prefill.flops == pytest.approx(512 * 2e6)
+    # FLOPs by the cost model: 2 × parameters per token, plus attention = 4 × 2 layers × 64 width ×
+    # (query, context) pairs — for decode its 6,400 context tokens, for the chunk 512²/2 pairs.
+    decode_flops = 64 * 2e6 + 4 * 2 * 64 * 6_400
+    chunk_flops = 512 * 2e6 + 4 * 2 * 64 * 512**2 / 2
+    assert decode.flops == pytest.approx(decode_flops)
+    assert prefill.flops == pytest.approx(chunk_flops)
     # Decode reads what a decode-only step of its batch would: weights + its 6,400 tokens of KV.
     assert decode.read_bytes == pytest.approx(4e6 + 6_400 * KV)
     assert prefill.read_bytes == pytest.approx(512 * KV)
     assert decode.read_bytes + prefill.read_bytes == pytest.approx(cost.read_bytes)
     # Time by each phase's roofline time, max(bytes ÷ 100 GB/s, FLOPs ÷ 1 TFLOP/s): decode
-    # max(7.3e6 B → 73 µs, 1.28e8 FLOP → 128 µs) = 128 µs; the chunk 1.024e9 FLOP → 1,024 µs.
+    # max(7.3e6 B → 73 µs, 1.31e8 FLOP → 131 µs); the chunk max(0.5 MB → 5 µs, 1.09e9 FLOP → 1,091 µs).
     assert decode.seconds + prefill.seconds == pytest.approx(0.4)
-    assert decode.seconds == pytest.approx(0.4 * 128 / (128 + 1024))
+    assert decode.seconds == pytest.approx(0.4 * decode_flops / (decode_flops + chunk_flops))
 
 
 def test_decode_operating_point_is_the_same_with_or_without_a_chunk_beside_it() -> None:
@@ -187,8 +190,9 @@ def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> 
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry)
     roofline.record(StepRecord(0, 0, 0, 2, 2, 0.01, kv_cache_tokens=100))
-    # 2 tokens × 2 × 1e6 parameters; weights 4e6 bytes + 100 tokens × 512 bytes of KV; 2 new KV entries written.
-    assert gauge(registry, "phasescope_model_flops_total", "decode") == pytest.approx(4e6)
+    # 2 tokens × 2 × 1e6 parameters + attention over their 100 context tokens (4 × 2 layers × 64 width × 100);
+    # weights 4e6 bytes + 100 tokens × 512 bytes of KV; 2 new KV entries written.
+    assert gauge(registry, "phasescope_model_flops_total", "decode") == pytest.approx(4e6 + 4 * 2 * 64 * 100)
     assert gauge(registry, "phasescope_model_read_bytes_total", "decode") == pytest.approx(4e6 + 100 * KV)
     assert gauge(registry, "phasescope_model_written_bytes_total", "decode") == pytest.approx(2 * KV)
     assert (
