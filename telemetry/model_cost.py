@@ -579,7 +579,9 @@ def model_cost_from_config(
             bytes_per_parameter = checkpoint.stored_bytes / parameter_count
         elif derived is not None:
             per_weight = _quantised_bytes_per_weight(quantization)
-            stored = derived.quantisable * per_weight + (derived.total - derived.quantisable) * element
+            # What is not quantised (embeddings, LM head, norms) is stored in the checkpoint's own dtype.
+            rest = dtype_bytes(str(language.get("torch_dtype") or language.get("dtype") or "bfloat16"))
+            stored = derived.quantisable * per_weight + (derived.total - derived.quantisable) * rest
             bytes_per_parameter = stored / parameter_count
         else:
             raise ValueError("a quantised model without a checkpoint needs vocab_size in its config to size it")

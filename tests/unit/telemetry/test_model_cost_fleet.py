@@ -228,6 +228,8 @@ def test_fp8_weights_are_one_byte_with_block_scales_and_the_kv_cache_stays_16_bi
     assert cost.parameter_count == LLAMA_8B_TOTAL
     expected = LLAMA_8B_LINEAR * (1 + 4 / 128**2) + (LLAMA_8B_TOTAL - LLAMA_8B_LINEAR) * 2
     assert cost.weight_bytes == round(expected) == 9_082_904_576
+    # Judged against FP8 tensor peaks (`--dtype fp8`), the unquantised parts still stay in the checkpoint's bf16.
+    assert model_cost_from_config(config, None, "fp8").weight_bytes == cost.weight_bytes
     assert cost.kv_cache_bytes_per_token == 2 * 32 * 8 * 128 * 2
     assert cost.flops_per_token() == 2 * (LLAMA_8B_TOTAL - LLAMA_8B_EMBEDDING)
 
