@@ -66,8 +66,9 @@ class StepMetrics(Collector):
         labels = ["model", "engine", "phase"]
         self.flops = Counter(
             "phasescope_model_flops",
-            "Modelled FLOPs of the engine's steps, per phase (the engine's estimate when it gives one, else the "
-            "cost model's: tokens × 2 × parameters); mixed steps split by token count.",
+            "Modelled FLOPs of the engine's steps on each device, per phase (the engine's estimate when it gives "
+            "one, else the cost model's: 2 × active parameters per token + attention); mixed steps split in the "
+            "cost model's proportion.",
             labels,
             registry=registry,
         )
