@@ -25,11 +25,11 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
 
 from server.auth import BearerTokenInterceptor, caller_identity, load_tokens, server_credentials
-from server.config import Settings, env_auth_tokens
+from server.config import Settings, env_auth_tokens, env_cuda_devices
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
-from server.peaks import resolve_peaks
+from server.peaks import per_engine_peaks, resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
 from server.tracing_setup import build_tracing
 from telemetry.errors import TelemetryErrors
@@ -178,7 +178,7 @@ class Server:
                 resolve_peaks, settings, description.device, description.on_cpu, description.dtype
             )
             # On a CPU the engine cores share the machine's cores and memory.
-            engine_peaks = peaks.shared_by(description.data_parallel_size) if description.on_cpu else peaks
+            engine_peaks = per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu)
             tracker = StepMetrics(
                 model_name,
                 description.cost,
@@ -192,7 +192,9 @@ class Server:
             steps.iteration_sink = tracker.record_iteration
             steps.queue_sink = tracker.record_queue
             if not description.on_cpu:
-                self._gpu_counters = await asyncio.to_thread(start_gpu_counters, self.registry, model_name)
+                self._gpu_counters = await asyncio.to_thread(
+                    start_gpu_counters, self.registry, model_name, environ=env_cuda_devices()
+                )
             logger.info(
                 "judging utilisation against %s peaks of %s: %.3g GB/s, %.3g TFLOP/s %s (ridge %.1f FLOP/byte)",
                 peaks.source,

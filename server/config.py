@@ -297,6 +297,12 @@ def env_reserved_cpus() -> int | None:
     return int(value) if value and value.isdigit() else None
 
 
+def env_cuda_devices() -> dict[str, str]:
+    """CUDA's device variables as the engine (which inherits them) sees them: which GPUs, in which order."""
+    names = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
 def env_auth_tokens() -> str:
     """Bearer tokens from PHASESCOPE_AUTH_TOKENS (comma-separated); never a flag, so `ps` cannot show them."""
     return os.environ.get("PHASESCOPE_AUTH_TOKENS", "")

@@ -28,7 +28,6 @@ once.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -350,15 +349,14 @@ def start_gpu_counters(
 ) -> GpmSampler | None:
     """Start sampling the engine's GPUs that support GPM; None (and no series) when none does.
 
-    `environ` is the engine's environment (default: this process's, which the engine inherits):
-    CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER are CUDA's variables, read by CUDA in the engine,
-    not phasescope settings, so they are read here and not in server/config.py.
+    `environ` holds the engine's CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER (the server passes
+    server.config.env_cuda_devices(); none: every GPU, in PCI order).
     """
     nvml = nvml if nvml is not None else load_nvml()
     if nvml is None:
         return None
     try:
-        devices = gpm_capable(nvml, engine_gpus(nvml, os.environ if environ is None else environ))
+        devices = gpm_capable(nvml, engine_gpus(nvml, {} if environ is None else environ))
     except Exception:
         logger.warning("NVML GPM support could not be queried; measured GPU counters are off", exc_info=True)
         return None

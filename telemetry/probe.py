@@ -1,13 +1,27 @@
 """Measured peaks for devices without a datasheet row: a CPU (always) or a GPU (on request).
 
-Two short measurements with PyTorch, on the threads the engine will use:
-- sustained memory bandwidth: a STREAM-style triad `a = b + s × c` over arrays
-  far larger than the caches; bytes moved = 3 × array bytes per pass (two
-  reads, one write), best of several passes;
-- matmul FLOP/s in the served dtype: square matmuls, 2 × n³ FLOPs each.
+Short measurements with PyTorch, on the threads the engine will use:
+- peak memory bandwidth, read: the faster of two read-only kernels over an
+  array at least twice the last-level cache, a sum and a matrix-vector product
+  (the array as a 16384-column matrix: decode's own weight-streaming kernel);
+  bytes = array bytes per pass, best of several passes. Decode streams weights
+  it only reads, so a read-only kernel is the roof it can reach; which of the
+  two is faster depends on the machine (the sum scales with threads, a BLAS
+  GEMV may not);
+- for comparison, a STREAM-style triad `a = b + s × c` over arrays of the same
+  size: 3 × array bytes per pass (two reads, one write). Its bytes are not the
+  traffic a weight stream makes: a CPU write may read its line first
+  (write-allocate, a 4th array's worth uncounted), and reads and writes
+  together load the memory system differently from reads alone. It is
+  reported, not used as the peak;
+- matmul FLOP/s in the served dtype: square matmuls, 2 × n³ FLOPs each, with n
+  growing as the cube root of the thread count so every thread has the same
+  work however many there are.
 
-The result is cached on disk under the machine's identity (CPU model, core
-count, threads, dtype, device, torch version), so it runs once per machine.
+Each measurement repeats until it has its passes or its time budget is spent,
+so the probe takes seconds on a slow machine too. The result is cached on disk
+under the machine's identity (CPU model, core count, threads, dtype, device,
+torch version, probe version), so it runs once per machine.
 """
 
 from __future__ import annotations
@@ -18,15 +32,32 @@ import logging
 import os
 import platform
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from telemetry.hardware import HardwarePeaks, dtype_family
 
+if TYPE_CHECKING:
+    import torch
+
 logger = logging.getLogger(__name__)
 
-_PROBE_VERSION = 1
+# 2: the peak bandwidth is the faster read-only kernel's (1 was the triad's); the matmul grows with the threads.
+_PROBE_VERSION = 2
+
+_MIB = 2**20
+_CPU_MATMUL_SIZE = 1024
+"""Matmul side on one CPU thread: 2 GFLOP a product, tens of milliseconds on one core."""
+_MAX_CPU_MATMUL_SIZE = 6144
+"""Cap, reached at 216 threads: 144 MiB a float32 operand, three held."""
+_GPU_MATMUL_SIZE = 8192
+_MAX_ARRAY_BYTES = 1024 * _MIB
+_GEMV_COLUMNS = 16384
+"""Row length of the read GEMV: 64 KiB rows, so the output it writes is negligible."""
+_BUDGET_SECONDS = 1.0
+"""Time each measurement may take beyond its first two passes."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,13 +66,25 @@ class ProbeResult:
     dtype: str
     threads: int
     memory_bandwidth_bytes_per_second: float
+    """The peak: the faster read-only kernel's bytes/s."""
+    sum_bandwidth_bytes_per_second: float
+    """Read by a sum over the array: array bytes per pass."""
+    gemv_bandwidth_bytes_per_second: float
+    """Read by a matrix-vector product over the array as a matrix: array bytes per pass."""
+    triad_bandwidth_bytes_per_second: float
+    """The triad's bytes/s (3 × array bytes per pass), for comparison only."""
+    array_bytes: int
+    """Size of each array the bandwidth kernels stream."""
     matmul_flops_per_second: float
+    matmul_size: int
+    """n of the n × n matmuls."""
     seconds_taken: float
 
     def peaks(self) -> HardwarePeaks:
         return HardwarePeaks(
             device=self.device,
             memory_bandwidth_bytes_per_second=self.memory_bandwidth_bytes_per_second,
+            # Keyed by the family measured: another dtype has no measured figure.
             flops_per_second={dtype_family(self.dtype): self.matmul_flops_per_second},
             source="measured",
             description=self.device,
@@ -98,6 +141,58 @@ def _cache_file(cache_dir: Path, identity: dict[str, Any]) -> Path:
     return cache_dir / "hardware" / f"probe-{digest}.json"
 
 
+def last_level_cache_bytes() -> int:
+    """The machine's last-level cache in bytes, every instance counted once; 0 where sysfs does not say."""
+    instances: dict[str, int] = {}
+    highest = 0
+    for index in Path("/sys/devices/system/cpu").glob("cpu[0-9]*/cache/index[0-9]*"):
+        try:
+            level = int((index / "level").read_text())
+            shared = (index / "shared_cpu_list").read_text().strip()
+            size = (index / "size").read_text().strip()
+        except (OSError, ValueError):
+            continue
+        multiplier = {"K": 2**10, "M": 2**20, "G": 2**30}.get(size[-1:], 1)
+        digits = size.rstrip("KMG")
+        if not digits.isdigit() or level < highest:
+            continue
+        if level > highest:
+            highest, instances = level, {}
+        instances[shared] = int(digits) * multiplier
+    return sum(instances.values())
+
+
+def array_bytes_for(cache_bytes: int, array_mib: int) -> int:
+    """Each bandwidth array: at least `array_mib`, and twice the last-level cache so a sequential
+    pass never finds its data there, up to 1 GiB (the triad holds three); whole GEMV rows."""
+    wanted = min(max(array_mib * _MIB, 2 * cache_bytes), max(array_mib * _MIB, _MAX_ARRAY_BYTES))
+    row_bytes = 4 * _GEMV_COLUMNS
+    return max(row_bytes, wanted // row_bytes * row_bytes)
+
+
+def matmul_size_for(device_type: str, threads: int) -> int:
+    """n of the probe's n × n matmul: on a CPU, n³ grows with the threads so each has the same work."""
+    if device_type != "cpu":
+        return _GPU_MATMUL_SIZE
+    size: float = _CPU_MATMUL_SIZE * float(max(1, threads)) ** (1 / 3)
+    return min(_MAX_CPU_MATMUL_SIZE, 128 * round(size / 128))
+
+
+def _best_seconds(run: Callable[[], object], sync: Callable[[], None], passes: int) -> float:
+    """Shortest time of `passes` runs, stopping early once `_BUDGET_SECONDS` is spent after the second."""
+    best = float("inf")
+    started = time.perf_counter()
+    for done in range(passes):
+        if done >= 2 and time.perf_counter() - started > _BUDGET_SECONDS:
+            break
+        sync()
+        begin = time.perf_counter()
+        run()
+        sync()
+        best = min(best, time.perf_counter() - begin)
+    return best
+
+
 def measure(
     device: str = "cpu", dtype: str = "float32", threads: int | None = None, array_mib: int = 256
 ) -> ProbeResult:
@@ -110,40 +205,11 @@ def measure(
     torch.set_num_threads(threads)
     try:
         torch_device = torch.device("cuda" if device.startswith("cuda") else "cpu")
-
-        def sync() -> None:
-            if torch_device.type == "cuda":
-                torch.cuda.synchronize()
-
-        elements = array_mib * 2**20 // 4
-        a = torch.empty(elements, dtype=torch.float32, device=torch_device)
-        b = torch.ones(elements, dtype=torch.float32, device=torch_device)
-        c = torch.ones(elements, dtype=torch.float32, device=torch_device)
-        best_triad = float("inf")
-        for _ in range(6):
-            sync()
-            begin = time.perf_counter()
-            torch.add(b, c, alpha=3.0, out=a)
-            sync()
-            best_triad = min(best_triad, time.perf_counter() - begin)
-        # Triad moves 3 × array bytes: b and c read, a written.
-        bandwidth = 3 * elements * 4 / best_triad
-        del a, b, c
-
-        matmul_dtype = getattr(torch, dtype.removeprefix("torch."))
-        size = 1024 if torch_device.type == "cpu" else 8192
-        x = torch.randn(size, size, device=torch_device).to(matmul_dtype)
-        y = torch.randn(size, size, device=torch_device).to(matmul_dtype)
-        torch.matmul(x, y)  # warm-up: kernel selection, page faults
-        best_matmul = float("inf")
-        for _ in range(5):
-            sync()
-            begin = time.perf_counter()
-            torch.matmul(x, y)
-            sync()
-            best_matmul = min(best_matmul, time.perf_counter() - begin)
-        # A square matmul does n³ multiply-adds: 2 × n³ FLOPs.
-        flops = 2 * size**3 / best_matmul
+        cache_bytes = last_level_cache_bytes() if torch_device.type == "cpu" else 0
+        array_bytes = array_bytes_for(cache_bytes, array_mib)
+        sum_bandwidth, gemv_bandwidth, triad_bandwidth = _bandwidths(torch_device, array_bytes)
+        size = matmul_size_for(torch_device.type, threads)
+        flops = _matmul_flops(torch_device, getattr(torch, dtype.removeprefix("torch.")), size)
     finally:
         torch.set_num_threads(previous_threads)
     name = cpu_name() if torch_device.type == "cpu" else torch.cuda.get_device_name(0)
@@ -151,10 +217,56 @@ def measure(
         device=f"{torch_device.type}: {name}",
         dtype=dtype.removeprefix("torch."),
         threads=threads,
-        memory_bandwidth_bytes_per_second=bandwidth,
+        memory_bandwidth_bytes_per_second=max(sum_bandwidth, gemv_bandwidth),
+        sum_bandwidth_bytes_per_second=sum_bandwidth,
+        gemv_bandwidth_bytes_per_second=gemv_bandwidth,
+        triad_bandwidth_bytes_per_second=triad_bandwidth,
+        array_bytes=array_bytes,
         matmul_flops_per_second=flops,
+        matmul_size=size,
         seconds_taken=time.monotonic() - started,
     )
+
+
+def _sync(device: torch.device) -> Callable[[], None]:
+    import torch
+
+    if device.type == "cuda":
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+def _bandwidths(device: torch.device, array_bytes: int) -> tuple[float, float, float]:
+    """(sum, GEMV, triad) bytes/s over float32 arrays of `array_bytes` each."""
+    import torch
+
+    elements = array_bytes // 4
+    a = torch.empty(elements, dtype=torch.float32, device=device)
+    b = torch.ones(elements, dtype=torch.float32, device=device)
+    c = torch.ones(elements, dtype=torch.float32, device=device)
+    matrix = b.view(-1, _GEMV_COLUMNS)
+    vector = torch.ones(_GEMV_COLUMNS, dtype=torch.float32, device=device)
+    rows = torch.empty(matrix.shape[0], dtype=torch.float32, device=device)
+    sync = _sync(device)
+    # Read: a sum reads every byte of b once and writes one number: bytes = array bytes.
+    summed = elements * 4 / _best_seconds(lambda: torch.sum(b), sync, passes=8)
+    # Read: b as a matrix times a vector reads every byte of b once; the vector and the
+    # one number a row writes are 1/16384 of that: bytes = array bytes.
+    gemv = elements * 4 / _best_seconds(lambda: torch.mv(matrix, vector, out=rows), sync, passes=8)
+    # Triad moves 3 × array bytes: b and c read, a written.
+    triad = 3 * elements * 4 / _best_seconds(lambda: torch.add(b, c, alpha=3.0, out=a), sync, passes=6)
+    return summed, gemv, triad
+
+
+def _matmul_flops(device: torch.device, dtype: torch.dtype, size: int) -> float:
+    import torch
+
+    x = torch.randn(size, size, device=device).to(dtype)
+    y = torch.randn(size, size, device=device).to(dtype)
+    product = torch.empty(size, size, device=device, dtype=dtype)
+    torch.matmul(x, y, out=product)  # warm-up: kernel selection, page faults
+    # A square matmul does n³ multiply-adds: 2 × n³ FLOPs.
+    return 2 * size**3 / _best_seconds(lambda: torch.matmul(x, y, out=product), _sync(device), passes=5)
 
 
 def cached_measure(
@@ -173,7 +285,7 @@ def cached_measure(
                 return ProbeResult(**stored["result"]), True
         except (OSError, ValueError, TypeError, KeyError):
             logger.warning("ignoring an unreadable hardware probe cache at %s", path)
-    logger.info("measuring %s peaks (memory bandwidth and %s matmul FLOP/s, a few seconds, once)", device, dtype)
+    logger.info("measuring %s peaks (read bandwidth and %s matmul FLOP/s, a few seconds, once)", device, dtype)
     result = measure(device, dtype, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".tmp")

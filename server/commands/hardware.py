@@ -11,7 +11,11 @@ if TYPE_CHECKING:
 
 def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser = subparsers.add_parser("hardware", help="measure (once, cached) this machine's memory bandwidth and FLOP/s")
-    parser.add_argument("--list", action="store_true", help="print the datasheet table instead of measuring")
+    parser.add_argument(
+        "--list",
+        action="store_true",
+        help="print the datasheet table (every row and dtype family) instead of measuring",
+    )
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"), help="what to measure (default cpu)")
     parser.add_argument("--dtype", default="float32", help="matmul dtype (default float32, the CPU's serving dtype)")
     parser.add_argument("--threads", type=int, help="threads to measure with (default: the cores this process may use)")
@@ -22,14 +26,10 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
 def cmd(args: argparse.Namespace) -> int:
     from server.default_model import cache_root
     from server.peaks import engine_threads
-    from telemetry.hardware import DATASHEET
     from telemetry.probe import cached_measure
 
     if args.list:
-        for key, peaks in DATASHEET.items():
-            families = ", ".join(f"{f} {v / 1e12:g} TFLOP/s" for f, v in peaks.flops_per_second.items())
-            bandwidth = peaks.memory_bandwidth_bytes_per_second / 1e12
-            print(f"{key:>10}  {bandwidth:5.3g} TB/s  {families}  ({peaks.description})")
+        print_datasheet()
         return 0
     result, cached = cached_measure(
         cache_root(),
@@ -39,10 +39,42 @@ def cmd(args: argparse.Namespace) -> int:
         refresh=args.refresh,
     )
     peaks = result.peaks()
+    array_mib = result.array_bytes / 2**20
     print(f"device: {result.device} ({'cached' if cached else 'measured now'}, {result.seconds_taken:.1f} s)")
     print(f"threads: {result.threads}")
-    bandwidth = result.memory_bandwidth_bytes_per_second / 1e9
-    print(f"memory bandwidth (triad a = b + s×c, 3 × array bytes per pass): {bandwidth:.2f} GB/s")
-    print(f"matmul {result.dtype} (2 × n³ FLOPs per product): {result.matmul_flops_per_second / 1e9:.2f} GFLOP/s")
-    print(f"ridge point: {peaks.ridge_point_flops_per_byte(result.dtype):.2f} FLOP/byte")
+    print(
+        f"memory bandwidth, the peak (faster read-only kernel over a {array_mib:.0f} MiB array, 1 × array bytes per "
+        f"pass): {result.memory_bandwidth_bytes_per_second / 1e9:.2f} GB/s"
+    )
+    print(f"  read by a sum: {result.sum_bandwidth_bytes_per_second / 1e9:.2f} GB/s")
+    print(f"  read by a matrix-vector product: {result.gemv_bandwidth_bytes_per_second / 1e9:.2f} GB/s")
+    print(
+        f"memory bandwidth, for comparison (triad a = b + s×c, 3 × array bytes per pass, write-allocate not "
+        f"counted): {result.triad_bandwidth_bytes_per_second / 1e9:.2f} GB/s"
+    )
+    print(
+        f"matmul {result.dtype} (n = {result.matmul_size}, 2 × n³ FLOPs per product): "
+        f"{result.matmul_flops_per_second / 1e9:.2f} GFLOP/s"
+    )
+    print(f"ridge point: {peaks.ridge_point_flops_per_byte(result.dtype):.2f} FLOP/byte (peak FLOP/s ÷ read bytes/s)")
     return 0
+
+
+def print_datasheet() -> None:
+    """Every datasheet row: bandwidth and each dtype family's dense FLOP/s; a family a row lacks shows "-"."""
+    from telemetry.hardware import DATASHEET, FAMILIES
+
+    key_width = max(len(key) for key in DATASHEET)
+    header = "".join(f"{family:>10}" for family in FAMILIES)
+    print(f"{'device':<{key_width}}  {'TB/s':>6}{header}  (TFLOP/s, dense; fp32 is non-tensor)")
+    for key, peaks in DATASHEET.items():
+        cells = "".join(
+            f"{peaks.flops_per_second[family] / 1e12:>10.6g}" if family in peaks.flops_per_second else f"{'-':>10}"
+            for family in FAMILIES
+        )
+        bandwidth = peaks.memory_bandwidth_bytes_per_second / 1e12
+        print(f"{key:<{key_width}}  {bandwidth:>6.4g}{cells}  {peaks.description}")
+    print(
+        "A MIG slice is its GPU's row scaled by its share, e.g. --hardware 'h100-sxm mig 3g.40gb': "
+        "3/7 of each FLOP/s figure, 4/8 of the bandwidth."
+    )
