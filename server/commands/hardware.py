@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -31,6 +32,11 @@ def cmd(args: argparse.Namespace) -> int:
     if args.list:
         print_datasheet()
         return 0
+    problem = _refusal(args)
+    if problem:
+        # Bad input gets one line naming what is wrong, never a traceback.
+        print(f"phasescope hardware: {problem}", file=sys.stderr)
+        return 2
     result, cached = cached_measure(
         cache_root(),
         device=args.device,
@@ -58,6 +64,25 @@ def cmd(args: argparse.Namespace) -> int:
     )
     print(f"ridge point: {peaks.ridge_point_flops_per_byte(result.dtype):.2f} FLOP/byte (peak FLOP/s ÷ read bytes/s)")
     return 0
+
+
+def _refusal(args: argparse.Namespace) -> str | None:
+    """Why the probe cannot run as asked, or None."""
+    import torch
+
+    from telemetry.model_cost import dtype_bytes
+
+    if args.threads is not None and args.threads < 1:
+        return f"--threads must be at least 1, got {args.threads}"
+    try:
+        dtype_bytes(args.dtype)
+    except ValueError as exc:
+        return str(exc)
+    if not isinstance(getattr(torch, args.dtype.removeprefix("torch."), None), torch.dtype):
+        return f"--dtype {args.dtype!r} is not a torch dtype name (e.g. float32, bfloat16, float16)"
+    if args.device == "cuda" and not torch.cuda.is_available():
+        return "--device cuda: this PyTorch sees no CUDA device (a CPU-only build, or no GPU)"
+    return None
 
 
 def print_datasheet() -> None:
