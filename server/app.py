@@ -29,7 +29,7 @@ from server.config import Settings, env_auth_tokens, env_cuda_devices
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
-from server.peaks import per_engine_peaks, resolve_peaks
+from server.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
 from server.tracing_setup import build_tracing
 from telemetry.errors import TelemetryErrors
@@ -38,6 +38,7 @@ from telemetry.observer import ObserverGroup, RequestObserver
 from telemetry.prometheus import PrometheusRequestObserver
 from telemetry.step_metrics import StepMetrics
 from telemetry.steps import StepForwarder
+from telemetry.verdict import HeadroomLimits
 
 logger = logging.getLogger(__name__)
 
@@ -187,6 +188,13 @@ class Server:
                 self.registry,
                 engines=description.data_parallel_size,
                 window_seconds=settings.metrics_window_seconds,
+                headroom_limits=HeadroomLimits(
+                    bandwidth=settings.headroom_bandwidth,
+                    compute=settings.headroom_compute,
+                    kv_cache=settings.headroom_kv_cache,
+                    queue=settings.headroom_queue,
+                ),
+                cost_per_hour=engine_cost_per_hour(settings, description),
             )
             steps.sink = tracker.record
             steps.iteration_sink = tracker.record_iteration

@@ -74,6 +74,18 @@ class Settings:
     """Peak dense FLOP/s in the served dtype (e.g. 989e12); overrides the datasheet and the probe."""
     metrics_window_seconds: float = 10.0
     """Sliding window of the tokens/s, bandwidth-saturation and compute-idleness gauges."""
+    headroom_bandwidth: float = 0.8
+    """Headroom limit: the device bandwidth saturation (0-1) at which an engine counts as full; calibrate it
+    with phasescope bench (the saturation where decode latency leaves its SLO)."""
+    headroom_compute: float = 0.7
+    """Headroom limit: the device MFU (0-1) at which an engine counts as full."""
+    headroom_kv_cache: float = 0.9
+    """Headroom limit: the KV-cache usage (0-1) at which an engine counts as full."""
+    headroom_queue: float = 0.1
+    """Headroom limit: the share of request time spent waiting for a slot (0-1) at which an engine counts as full."""
+    accelerator_cost_per_hour: float | None = None
+    """Price of one accelerator per hour (on a CPU: the machine's), in any currency; adds cost per million tokens
+    per phase and the idle compute's cost per hour."""
     otlp_endpoint: str = ""
     """OTLP/gRPC endpoint for traces (e.g. http://127.0.0.1:4317); empty: OTEL_EXPORTER_OTLP_TRACES_ENDPOINT or
     OTEL_EXPORTER_OTLP_ENDPOINT if set, else tracing is off."""
@@ -134,6 +146,11 @@ class Settings:
             )
         if self.dtype not in {"auto", "bfloat16", "float16", "float32", "half", "float"}:
             problems.append(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}")
+        for name in ("headroom_bandwidth", "headroom_compute", "headroom_kv_cache", "headroom_queue"):
+            if not 0 < getattr(self, name) <= 1:
+                problems.append(f"--{_flag(name)} must be in (0, 1], got {getattr(self, name)}")
+        if self.accelerator_cost_per_hour is not None and self.accelerator_cost_per_hour < 0:
+            problems.append(f"--accelerator-cost-per-hour must be 0 or more, got {self.accelerator_cost_per_hour}")
         for name in ("peak_memory_bandwidth", "peak_flops"):
             value = getattr(self, name)
             if value is not None and not value > 0:

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 
 from server.config import Settings, env_cpu_threads_bind, env_cuda_devices, env_reserved_cpus
 from server.default_model import cache_root
+from server.engine import ModelDescription
 from telemetry.hardware import HardwarePeaks, lookup_device, names_mig_slice
 from telemetry.probe import cached_measure, physical_cores
 
@@ -137,3 +138,17 @@ def per_engine_peaks(peaks: HardwarePeaks, settings: Settings, data_parallel_siz
         memory_share=1.0 if bandwidth_measured else 1 / engines,
         compute_share=1.0 if flops_measured else 1 / engines,
     )
+
+
+def engine_cost_per_hour(settings: Settings, description: ModelDescription) -> float | None:
+    """Each engine's price per hour from --accelerator-cost-per-hour (one accelerator's price).
+
+    A GPU engine uses tensor × pipeline parallel accelerators; on a CPU the price is the
+    machine's, shared between its data-parallel engines like its peaks.
+    """
+    price = settings.accelerator_cost_per_hour
+    if price is None:
+        return None
+    if description.on_cpu:
+        return price / max(1, description.data_parallel_size)
+    return price * description.tensor_parallel_size * description.pipeline_parallel_size

@@ -20,13 +20,16 @@ from telemetry.hardware import HardwarePeaks
 from telemetry.model_cost import ModelCost
 from telemetry.steps import (
     DEFAULT_WINDOW_SECONDS,
+    PHASES,
     STEP_KINDS,
     DeviceFigures,
     EngineIteration,
+    PhaseFigures,
     StepRecord,
     StepWindow,
     attribute_step,
 )
+from telemetry.verdict import VERDICTS, HeadroomLimits, PhaseWork, headroom, phase_verdict, token_cost
 
 # Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
 # to seconds on a loaded CPU.
@@ -54,7 +57,12 @@ class StepMetrics(Collector):
         engines: int = 1,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        headroom_limits: HeadroomLimits | None = None,
+        cost_per_hour: float | None = None,
     ) -> None:
+        self._headroom_limits = headroom_limits or HeadroomLimits()
+        self._cost_per_hour = cost_per_hour
+        """Each engine's price per hour (None: no cost series)."""
         self._model = model
         self._cost = cost
         self._dtype = dtype
@@ -153,6 +161,7 @@ class StepMetrics(Collector):
         self.engine_requests.labels(self._model, str(engine), "running").set(running)
         self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
         self.kv_cache_usage.labels(self._model, str(engine)).set(kv_cache_usage)
+        self.window.add_queue(engine, running, waiting, kv_cache_usage)
 
     def record_iteration(self, iteration: EngineIteration) -> None:
         observe = self._inter_token.observe
@@ -218,6 +227,7 @@ class StepMetrics(Collector):
                 batch.add_metric([self._model, str(engine)], figures.batch_size or 0.0)
         yield from (tokens_per_second, bandwidth, compute, intensity, batch)
         yield from self._device_families(devices, window)
+        yield from self._answer_families(phases, devices)
         agreement = self.window.agreement()
         if agreement:
             family = GaugeMetricFamily(
@@ -229,6 +239,86 @@ class StepMetrics(Collector):
                 family.add_metric([self._model, quantity], ratio)
             yield family
         yield from self._peak_families()
+
+    def _answer_families(
+        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
+    ) -> Iterator[Metric]:
+        """The verdict per phase, headroom per engine and cost per token (telemetry.verdict)."""
+        length = self.window.length()
+        queue_shares = self.window.queue_shares()
+        kv_usage = self.window.kv_cache_usage()
+        bound = GaugeMetricFamily(
+            "phasescope_bound",
+            "What bounds the phase over the window: 1 for the current verdict (memory, compute, host, queue, "
+            "idle), 0 for the others (docs/metrics.md, reading the verdict).",
+            labels=["model", "engine", "phase", "verdict"],
+        )
+        overhead = GaugeMetricFamily(
+            "phasescope_host_overhead_ratio",
+            "1 − the roofline's predicted step time ÷ the measured step time for the phase's work over the window: "
+            "the share of step time the device's peaks do not explain; absent when no step carried the phase.",
+            labels=["model", "engine", "phase"],
+        )
+        queue = GaugeMetricFamily(
+            "phasescope_queue_wait_ratio",
+            "Share of the request time in the engine spent waiting for a slot (waiting ÷ waiting + running, "
+            "time-weighted) over the window.",
+            labels=["model", "engine"],
+        )
+        room = GaugeMetricFamily(
+            "phasescope_headroom_ratio",
+            "How much more load the engine can take before its nearest limit (the limit label: bandwidth, compute, "
+            "kv_cache or queue, each set by --headroom-*): 1 − used ÷ limit of the binding one, over the window.",
+            labels=["model", "engine", "limit"],
+        )
+        per_million = GaugeMetricFamily(
+            "phasescope_cost_per_million_tokens",
+            "The engine's price over the window (--accelerator-cost-per-hour) shared between the phases by busy "
+            "time, per million of each phase's tokens; absent without a price or tokens.",
+            labels=["model", "engine", "phase"],
+        )
+        idle_cost = GaugeMetricFamily(
+            "phasescope_idle_cost_per_hour",
+            "The engine's price per hour × its compute idleness (1 − MFU) over the window: what is paid for unused "
+            "compute; absent without --accelerator-cost-per-hour.",
+            labels=["model", "engine"],
+        )
+        for engine, device in devices.items():
+            labels = [self._model, str(engine)]
+            share = queue_shares.get(engine, 0.0)
+            queue.add_metric(labels, share)
+            for phase in PHASES:
+                figures = phases[(engine, phase)]
+                work = PhaseWork(
+                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
+                )
+                verdict = phase_verdict(phase, work, length, share)
+                for name in VERDICTS:
+                    bound.add_metric([*labels, phase, name], 1.0 if name == verdict.verdict else 0.0)
+                if verdict.host_overhead is not None:
+                    overhead.add_metric([*labels, phase], verdict.host_overhead)
+            limit = headroom(
+                self._headroom_limits,
+                device.memory_bandwidth_utilization,
+                device.compute_utilization,
+                kv_usage.get(engine, 0.0),
+                share,
+            )
+            room.add_metric([*labels, limit.limit], limit.ratio)
+            if self._cost_per_hour is not None:
+                cost = token_cost(
+                    self._cost_per_hour,
+                    length,
+                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
+                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
+                    device.compute_idle,
+                )
+                for phase, value in cost.per_million_tokens.items():
+                    per_million.add_metric([*labels, phase], value)
+                idle_cost.add_metric(labels, cost.idle_per_hour)
+        yield from (bound, overhead, queue, room)
+        if self._cost_per_hour is not None:
+            yield from (per_million, idle_cost)
 
     def _device_families(self, devices: dict[int, DeviceFigures], window: str) -> Iterator[Metric]:
         labels = ["model", "engine"]

@@ -242,6 +242,12 @@ class PhaseFigures:
     batch_size: float | None
     """Mean requests per step that carried this phase."""
     busy_seconds: float
+    memory_seconds: float = 0.0
+    """Σ this phase's bytes moved ÷ peak bandwidth: the time its bytes need at the roof."""
+    compute_seconds: float = 0.0
+    """Σ this phase's FLOPs ÷ peak FLOP/s."""
+    predicted_seconds: float = 0.0
+    """Σ per step max(bytes time, FLOPs time): the roofline's time for the phase's work."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -303,6 +309,9 @@ class StepWindow:
         self._started = clock()
         self._lock = threading.Lock()
         self._recent: deque[_Windowed] = deque()
+        # Scheduler samples (time, engine, running, waiting), one per stats update.
+        self._queue: deque[tuple[float, int, int, int]] = deque()
+        self._kv_cache_usage: dict[int, float] = {}
 
     def add(self, step: StepRecord, cost: StepCost) -> None:
         now = self._clock()
@@ -310,10 +319,44 @@ class StepWindow:
             self._recent.append(_Windowed(now, step.elapsed_seconds, step.engine, cost, step))
             self._expire(now)
 
+    def add_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The engine's scheduler state at a stats update (every step, and after aborts)."""
+        now = self._clock()
+        with self._lock:
+            self._queue.append((now, engine, running, waiting))
+            self._kv_cache_usage[engine] = kv_cache_usage
+            self._expire(now)
+
     def _expire(self, now: float) -> None:
         horizon = now - self.window_seconds
         while self._recent and self._recent[0].end < horizon:
             self._recent.popleft()
+        while self._queue and self._queue[0][0] < horizon:
+            self._queue.popleft()
+
+    def queue_shares(self) -> dict[int, float]:
+        """Per engine: the share of request time in the engine spent waiting for a slot, over the window.
+
+        Each scheduler sample holds from the engine's previous sample to this one: waiting × that
+        time is request-seconds queued, running × it request-seconds running.
+        """
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            samples = list(self._queue)
+        waited = dict.fromkeys(range(self.engines), 0.0)
+        total = dict.fromkeys(range(self.engines), 0.0)
+        previous: dict[int, float] = {}
+        for at, engine, running, waiting in samples:
+            held = at - previous.get(engine, at)
+            previous[engine] = at
+            waited[engine] = waited.get(engine, 0.0) + held * waiting
+            total[engine] = total.get(engine, 0.0) + held * (waiting + running)
+        return {engine: waited[engine] / total[engine] if total[engine] else 0.0 for engine in total}
+
+    def kv_cache_usage(self) -> dict[int, float]:
+        with self._lock:
+            return {engine: self._kv_cache_usage.get(engine, 0.0) for engine in range(self.engines)}
 
     def _snapshot(self) -> tuple[list[tuple[float, _Windowed]], float]:
         """(fraction inside the window, entry) pairs, and the window's length."""
@@ -325,6 +368,10 @@ class StepWindow:
         window = min(self.window_seconds, max(now - self._started, 1e-9))
         start = now - window
         return [(overlap_fraction(e.end, e.duration, start, now), e) for e in recent], window
+
+    def length(self) -> float:
+        """The window's length now: `window_seconds`, or the time observed so far when shorter."""
+        return min(self.window_seconds, max(self._clock() - self._started, 1e-9))
 
     def figures(self) -> tuple[dict[tuple[int, str], PhaseFigures], dict[int, DeviceFigures]]:
         """Per (engine, phase) and per engine: the window's figures."""
@@ -339,6 +386,9 @@ class StepWindow:
                 flops = sum(fraction * share.flops for fraction, share in carried)
                 moved = sum(fraction * share.moved_bytes for fraction, share in carried)
                 weight = sum(fraction for fraction, _ in carried)
+                # The roofline's time for the work charged to the phase, step by step.
+                memory_times = [(fraction, share.moved_bytes / self._bandwidth) for fraction, share in carried]
+                compute_times = [(fraction, share.flops / self._flops) for fraction, share in carried]
                 phases[(engine, phase)] = PhaseFigures(
                     tokens_per_second=tokens / window,
                     # Bandwidth saturation = achieved bytes/s ÷ peak bytes/s (this phase's part).
@@ -351,6 +401,12 @@ class StepWindow:
                         sum(fraction * share.requests for fraction, share in carried) / weight if weight else None
                     ),
                     busy_seconds=sum(fraction * share.seconds for fraction, share in carried),
+                    memory_seconds=sum(fraction * seconds for fraction, seconds in memory_times),
+                    compute_seconds=sum(fraction * seconds for fraction, seconds in compute_times),
+                    predicted_seconds=sum(
+                        fraction * max(memory, compute)
+                        for (fraction, memory), (_, compute) in zip(memory_times, compute_times, strict=True)
+                    ),
                 )
             flops = sum(fraction * e.cost.flops for fraction, e in mine)
             moved = sum(fraction * (e.cost.read_bytes + e.cost.written_bytes) for fraction, e in mine)
@@ -378,3 +434,68 @@ class StepWindow:
         if engine_bytes:
             result["bytes"] = sum(e.cost.model_read_bytes for e in recent) / engine_bytes
         return result
+
+
+@dataclass(frozen=True, slots=True)
+class Interference:
+    """What other requests' prefill cost a decoding request (or, as running totals, an engine's decodes)."""
+
+    stalled_seconds: float = 0.0
+    """Decode time spent in steps that also carried prefill chunks."""
+    extra_seconds: float = 0.0
+    """The estimated extra time those chunks cost: each such step's time minus what a decode-only
+    step of the same batch takes (the engine's own recent decode-only steps)."""
+
+    def __sub__(self, other: Interference) -> Interference:
+        return Interference(self.stalled_seconds - other.stalled_seconds, self.extra_seconds - other.extra_seconds)
+
+
+DECODE_REFERENCE_SMOOTHING = 0.2
+"""Weight of the newest decode-only step in the per-batch-size reference (an exponential average)."""
+
+
+class InterferenceLedger:
+    """Per engine, running totals of `Interference`, advanced once per engine step.
+
+    The engine's steps and its requests' tokens come from the same engine-core output batches:
+    vLLM's output handler hands a batch's tokens to the requests and then reports the batch's step
+    (server.vllm_adapter.stats), so a request that reads the totals when its tokens arrive and
+    again when it finishes gets the steps of its decode. The reference for "a decode-only step of
+    the same batch" is the exponential average of this engine's decode-only steps of that batch
+    size, else of the nearest batch size seen; before any decode-only step, the roofline split
+    of the mixed step (its decode share of the time) stands in.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[int, Interference] = {}
+        self._decode_only: dict[int, dict[int, float]] = {}
+
+    def record(self, step: StepRecord, decode_share_seconds: float) -> None:
+        kind = step.kind
+        if kind == "prefill" or step.decode_requests == 0:
+            return
+        with self._lock:
+            references = self._decode_only.setdefault(step.engine, {})
+            if kind == "decode":
+                old = references.get(step.decode_requests)
+                references[step.decode_requests] = (
+                    step.elapsed_seconds
+                    if old is None
+                    else old + DECODE_REFERENCE_SMOOTHING * (step.elapsed_seconds - old)
+                )
+                return
+            reference = references.get(step.decode_requests)
+            if reference is None and references:
+                nearest = min(references, key=lambda batch: abs(batch - step.decode_requests))
+                reference = references[nearest]
+            alone = reference if reference is not None else decode_share_seconds
+            total = self._totals.get(step.engine, Interference())
+            self._totals[step.engine] = Interference(
+                total.stalled_seconds + step.elapsed_seconds,
+                total.extra_seconds + max(0.0, step.elapsed_seconds - alone),
+            )
+
+    def read(self, engine: int) -> Interference:
+        with self._lock:
+            return self._totals.get(engine, Interference())

@@ -276,3 +276,77 @@ def test_queue_depth_is_exported_per_engine() -> None:
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 7
     assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "running"}) == 3
     assert registry.get_sample_value("phasescope_kv_cache_usage_ratio", {"model": "m", "engine": "1"}) == 0.25
+
+
+def verdicts(registry: CollectorRegistry, phase: str, engine: str = "0") -> dict[str, float | None]:
+    from telemetry.verdict import VERDICTS
+
+    return {
+        name: registry.get_sample_value(
+            "phasescope_bound", {"model": "m", "engine": engine, "phase": phase, "verdict": name}
+        )
+        for name in VERDICTS
+    }
+
+
+def test_decode_at_half_its_roof_reads_host_bound_and_near_it_memory_bound() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry)
+    clock.now += 10
+    # 50 ms steps that read 2.6 GB at 100 GB/s (26 ms at the roof): 52 % of the roof reached.
+    for _ in range(20):
+        roofline.record(decode_step(1, flops=2e6, read_bytes=2.6e9, elapsed=0.05))
+    assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.48)
+    assert verdicts(registry, "decode") == {"memory": 0, "compute": 0, "host": 1, "queue": 0, "idle": 0}
+    # No step carried prefill: idle, and no overhead figure for it.
+    assert verdicts(registry, "prefill")["idle"] == 1
+    assert gauge(registry, "phasescope_host_overhead_ratio", "prefill") is None
+    # Steps that read 4.5 GB in the same 50 ms run at 90 % of the roof: memory-bound.
+    clock.now += 20
+    for _ in range(20):
+        roofline.record(decode_step(1, flops=2e6, read_bytes=4.5e9, elapsed=0.05))
+    assert verdicts(registry, "decode")["memory"] == 1
+    assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.1)
+
+
+def test_requests_waiting_for_a_slot_make_prefill_queue_bound_and_use_up_headroom() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry)
+    # One running, three waiting, for two seconds: 75 % of request time queued.
+    for _ in range(3):
+        roofline.record_queue(0, running=1, waiting=3, kv_cache_usage=0.2)
+        clock.now += 1
+    assert device(registry, "phasescope_queue_wait_ratio") == pytest.approx(0.75)
+    assert verdicts(registry, "prefill")["queue"] == 1
+    labels = {"model": "m", "engine": "0", "limit": "queue"}
+    assert registry.get_sample_value("phasescope_headroom_ratio", labels) == 0.0
+
+
+def test_headroom_names_the_nearest_limit() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry)
+    clock.now += 10
+    # 6e11 bytes over 10 s against 100 GB/s: saturation 0.6 of the 0.8 limit leaves 0.25; KV 0.3 of 0.9 leaves 0.67.
+    roofline.record_queue(0, running=1, waiting=0, kv_cache_usage=0.3)
+    roofline.record(decode_step(1, flops=1e6, read_bytes=6e11, elapsed=5.0))
+    labels = {"model": "m", "engine": "0", "limit": "bandwidth"}
+    assert registry.get_sample_value("phasescope_headroom_ratio", labels) == pytest.approx(0.25)
+
+
+def test_cost_per_million_tokens_and_idle_cost_when_priced() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = StepMetrics("m", COST, "float32", PEAKS, registry, window_seconds=10.0, clock=clock, cost_per_hour=3.6)
+    clock.now += 10
+    # Only decode ran: it carries the window's whole $0.01 over its 100 tokens = $100 per million.
+    for _ in range(100):
+        roofline.record(decode_step(1, flops=1e9, read_bytes=1e6, elapsed=0.01))
+    assert gauge(registry, "phasescope_cost_per_million_tokens", "decode") == pytest.approx(100.0)
+    assert gauge(registry, "phasescope_cost_per_million_tokens", "prefill") is None
+    # 1e11 FLOPs over 10 s against 1 TFLOP/s: MFU 1 %, so 99 % of $3.60 an hour pays for idle compute.
+    assert device(registry, "phasescope_idle_cost_per_hour") == pytest.approx(3.564)
+
+
+def test_without_a_price_there_are_no_cost_series() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    metrics(clock, registry).record(decode_step(1))
+    assert device(registry, "phasescope_idle_cost_per_hour") is None
