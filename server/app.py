@@ -195,6 +195,7 @@ class Server:
                     queue=settings.headroom_queue,
                 ),
                 cost_per_hour=engine_cost_per_hour(settings, description),
+                interference=steps.interference,
             )
             steps.sink = tracker.record
             steps.iteration_sink = tracker.record_iteration

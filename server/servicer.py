@@ -133,6 +133,8 @@ def _timings_message(timings: PhaseTimings) -> pb.Timings:
         frontend_seconds=timings.frontend_seconds or 0.0,
         client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
         intake_seconds=timings.intake_seconds or 0.0,
+        decode_stalled_by_prefill_seconds=timings.decode_stalled_by_prefill_seconds or 0.0,
+        decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
     )
 
 

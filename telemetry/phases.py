@@ -38,6 +38,11 @@ class EngineTimestamps:
     """The first output token was produced."""
     last_token_ts: float
     """The latest output token was produced."""
+    decode_stalled_seconds: float = 0.0
+    """Decode time so far spent in steps that also carried other requests' prefill chunks
+    (telemetry.steps.InterferenceLedger)."""
+    decode_interference_seconds: float = 0.0
+    """The estimated extra time those chunks cost this request's decode so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +81,10 @@ class PhaseTimings:
     intake_seconds: float | None = None
     """Hand-off → queued: vLLM's input processing, the hop to the engine core, and the wait for
     the core to take the request in (it does so between steps: under load, up to a step)."""
+    decode_stalled_by_prefill_seconds: float | None = None
+    """Decode time spent in steps that also carried other requests' prefill chunks; None before decode."""
+    decode_prefill_interference_seconds: float | None = None
+    """The estimated extra decode time those chunks cost (step time − a decode-only step of the batch)."""
     abandoned_seconds: float | None = None
     """For a request that ended before its first token: hand-off to the engine → end.
     The engine stamps nothing before a request's first token, so this time in queue or
@@ -132,6 +141,7 @@ def derive_phase_timings(
 
     # TPOT = decode / (output tokens - 1): the first token belongs to prefill.
     decoded_tokens = completion_tokens - 1
+    decoded = decode is not None and decoded_tokens >= 1
     mean_inter_token: float | None = None
     decode_tokens_per_second: float | None = None
     if decode is not None and decoded_tokens >= 1:
@@ -148,6 +158,9 @@ def derive_phase_timings(
         decode_tokens_per_second=decode_tokens_per_second,
         client_time_to_first_token_seconds=client_ttft,
         intake_seconds=intake,
+        # Only a request that decoded (a token after its first) has decode steps to share.
+        decode_stalled_by_prefill_seconds=engine.decode_stalled_seconds if decoded and engine else None,
+        decode_prefill_interference_seconds=engine.decode_interference_seconds if decoded and engine else None,
         abandoned_seconds=abandoned,
     )
 

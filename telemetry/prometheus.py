@@ -61,6 +61,22 @@ class PrometheusRequestObserver:
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
+        self.decode_stalled_seconds = Histogram(
+            "phasescope_decode_prefill_stall_seconds",
+            "Per request that decoded: its decode time spent in engine steps that also carried other requests' "
+            "prefill chunks (0 for a request that decoded alone).",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.decode_interference_seconds = Histogram(
+            "phasescope_decode_prefill_interference_seconds",
+            "Per request that decoded: the estimated extra time other requests' prefill chunks cost its decode "
+            "(each such step's time - a decode-only step of the same batch on that engine).",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.without_first_token = Counter(
             "phasescope_requests_without_first_token",
             "Admitted requests that ended before their first token (cancelled, deadline, failure), "
@@ -95,6 +111,8 @@ class PrometheusRequestObserver:
         )
         if model is not None:
             self.time_to_first_token_seconds.labels(model)
+            self.decode_stalled_seconds.labels(model)
+            self.decode_interference_seconds.labels(model)
             for code in _UNANSWERED_CODES:
                 self.without_first_token.labels(model, code)
 
@@ -142,6 +160,12 @@ class PrometheusRequestObserver:
             return
         if timings.decode_seconds is not None:
             self.phase_seconds.labels(model, "decode").observe(timings.decode_seconds, exemplar)
+        if timings.decode_stalled_by_prefill_seconds is not None:
+            self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
+        if timings.decode_prefill_interference_seconds is not None:
+            self.decode_interference_seconds.labels(model).observe(
+                timings.decode_prefill_interference_seconds, exemplar
+            )
         if timings.e2e_seconds is not None:
             self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
 

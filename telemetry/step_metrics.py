@@ -24,6 +24,7 @@ from telemetry.steps import (
     STEP_KINDS,
     DeviceFigures,
     EngineIteration,
+    InterferenceLedger,
     PhaseFigures,
     StepRecord,
     StepWindow,
@@ -59,7 +60,9 @@ class StepMetrics(Collector):
         clock: Callable[[], float] = time.monotonic,
         headroom_limits: HeadroomLimits | None = None,
         cost_per_hour: float | None = None,
+        interference: InterferenceLedger | None = None,
     ) -> None:
+        self._interference = interference
         self._headroom_limits = headroom_limits or HeadroomLimits()
         self._cost_per_hour = cost_per_hour
         """Each engine's price per hour (None: no cost series)."""
@@ -183,6 +186,8 @@ class StepMetrics(Collector):
             self.busy_seconds.labels(self._model, engine, phase).inc(share.seconds)
             self.step_tokens.labels(self._model, engine, phase).inc(share.tokens)
         self.window.add(step, cost)
+        if self._interference is not None:
+            self._interference.record(step, cost.shares["decode"].seconds)
 
     def collect(self) -> Iterator[Metric]:
         phases, devices = self.window.figures()

@@ -92,6 +92,8 @@ class StepForwarder:
         self.iteration_sink: Callable[[EngineIteration], None] | None = None
         self.queue_sink: Callable[[int, int, int, float], None] | None = None
         self.on_error = on_error
+        self.interference = InterferenceLedger()
+        """Advanced by the sink (StepMetrics) with each step; read by the engine for its requests."""
 
     def failed(self, exc: BaseException) -> None:
         self.on_error("step", exc)

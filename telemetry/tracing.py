@@ -161,6 +161,8 @@ class TracingObserver:
                     "phasescope.decode_seconds": timings.decode_seconds,
                     "phasescope.decode_tokens_per_second": timings.decode_tokens_per_second,
                     "phasescope.mean_inter_token_seconds": timings.mean_inter_token_seconds,
+                    "phasescope.decode_stalled_by_prefill_seconds": timings.decode_stalled_by_prefill_seconds,
+                    "phasescope.decode_prefill_interference_seconds": timings.decode_prefill_interference_seconds,
                 },
             ),
             # The engine stamps nothing before a request's first token: time in its queue

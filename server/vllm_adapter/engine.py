@@ -25,7 +25,7 @@ from server.vllm_adapter.stats import stat_logger_factory
 from telemetry.model_cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from telemetry.phases import EngineTimestamps
 from telemetry.probe import cpu_name
-from telemetry.steps import StepForwarder
+from telemetry.steps import Interference, InterferenceLedger, StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +57,10 @@ def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dt
 class VllmEngine:
     """One `AsyncLLM` (with its engine-core processes) serving one model."""
 
-    def __init__(self, llm: Any, description: ModelDescription) -> None:
+    def __init__(self, llm: Any, description: ModelDescription, interference: InterferenceLedger | None = None) -> None:
         self._llm = llm
         self._description = description
+        self._interference = interference or InterferenceLedger()
         self._tokenizer = llm.get_tokenizer()
         self._limits = ModelLimits(
             max_model_len=description.max_context_length,
@@ -146,7 +147,7 @@ class VllmEngine:
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
             )
-            engine = cls(llm, description)
+            engine = cls(llm, description, steps.interference)
         except BaseException:
             llm.shutdown()
             raise
@@ -231,6 +232,8 @@ class VllmEngine:
             async with aclosing(
                 self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id)
             ) as outputs:
+                engine_index = 0
+                decode_start: Interference | None = None
                 async for output in outputs:
                     completion = output.outputs[0]
                     if completion.finish_reason == "abort":
@@ -241,11 +244,22 @@ class VllmEngine:
                     stats = output.metrics
                     stamps = None
                     if stats is not None:
+                        # Other requests' prefill in this request's decode: the engine's running
+                        # totals, advanced in the same output pass that delivered these tokens,
+                        # read at the first token and since (telemetry.steps.InterferenceLedger).
+                        interference = Interference()
+                        if stats.first_token_ts > 0.0:
+                            if decode_start is None:
+                                engine_index = self._engine_index(request_id)
+                                decode_start = self._interference.read(engine_index)
+                            interference = self._interference.read(engine_index) - decode_start
                         stamps = EngineTimestamps(
                             queued_ts=stats.queued_ts,
                             scheduled_ts=stats.scheduled_ts,
                             first_token_ts=stats.first_token_ts,
                             last_token_ts=stats.last_token_ts,
+                            decode_stalled_seconds=interference.stalled_seconds,
+                            decode_interference_seconds=interference.extra_seconds,
                         )
                     yield EngineStep(
                         text=completion.text,
@@ -260,6 +274,13 @@ class VllmEngine:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
         except VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+
+    def _engine_index(self, request_id: str) -> int:
+        """The data-parallel engine core serving a request (vLLM's client keeps the choice by request)."""
+        if self._description.data_parallel_size <= 1:
+            return 0
+        identity = getattr(self._llm.engine_core, "reqs_in_flight", {}).get(request_id)
+        return int.from_bytes(identity, "little") if isinstance(identity, bytes) else 0
 
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""

@@ -209,3 +209,46 @@ def test_timings_start_at_handler_entry_and_tile_to_the_end(server: ServerProces
     assert t.time_to_first_token_seconds == pytest.approx(before_first_token, abs=1e-6)
     # The client's first chunk is written after the engine produced its token.
     assert t.client_time_to_first_token_seconds >= t.time_to_first_token_seconds
+
+
+def decode_timings_beside(server: ServerProcess, prompt_length: int, seed: int) -> tuple[float, float]:
+    """(stalled, extra) seconds of one decoding stream's timings while two prompts of `prompt_length`
+    tokens arrive during its decode (none with `prompt_length` 0)."""
+    with server.client() as client:
+        stream = client.generate_stream(build_request(prompt="Count slowly:", max_tokens=32, ignore_eos=True))
+        last = None
+        for chunk in stream:
+            if last is None and prompt_length:
+                # Its first token is out: the prompts arrive while it decodes, one after another,
+                # and chunked prefill schedules each beside its decode.
+                with server.client() as other:
+                    for index in range(2):
+                        prompt = distinct_prompt(prompt_length, seed=seed + index)
+                        other.generate(build_request(token_ids=prompt, max_tokens=1))
+            last = chunk
+    assert last is not None
+    assert last.HasField("timings")
+    return last.timings.decode_stalled_by_prefill_seconds, last.timings.decode_prefill_interference_seconds
+
+
+def test_prefill_interference_grows_with_the_prompts_injected_beside_a_decode(server: ServerProcess) -> None:
+    assert server.wait_engine_idle() == IDLE
+    before = server.samples()
+    alone = decode_timings_beside(server, 0, seed=0)
+    short = decode_timings_beside(server, 32, seed=300)
+    long = decode_timings_beside(server, 600, seed=400)
+    assert server.wait_engine_idle(timeout=60) == IDLE
+    # A stream that decodes alone shares no step with a prefill chunk.
+    assert alone == (0.0, 0.0)
+    # Beside prompts it spends the mixed steps' time in them, more the longer the prompts;
+    # the extra those chunks cost it over a decode-only step grows with them too.
+    assert 0.0 < short[0] < long[0]
+    assert short[1] < long[1]
+    assert long[1] > 0.0
+    # Each stream's figures are observed once, on both histograms (the one-token prompts never decoded).
+    after = server.samples()
+    for name in ("phasescope_decode_prefill_stall_seconds", "phasescope_decode_prefill_interference_seconds"):
+        assert delta(after, before, f"{name}_count") == 3
+    assert delta(after, before, "phasescope_decode_prefill_stall_seconds_sum") == pytest.approx(
+        short[0] + long[0], rel=1e-6
+    )

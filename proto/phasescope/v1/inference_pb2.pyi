@@ -291,6 +291,8 @@ class Timings(_message.Message):
     FRONTEND_SECONDS_FIELD_NUMBER: _builtins.int
     CLIENT_TIME_TO_FIRST_TOKEN_SECONDS_FIELD_NUMBER: _builtins.int
     INTAKE_SECONDS_FIELD_NUMBER: _builtins.int
+    DECODE_STALLED_BY_PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
+    DECODE_PREFILL_INTERFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
     queue_seconds: _builtins.float
     """Every interval is on one monotonic clock: the engine core's stamps compared
     with the front end's own readings for this request (docs/metrics.md).
@@ -322,6 +324,14 @@ class Timings(_message.Message):
     engine core and the wait for the core to take the request in (between two
     steps: under load, up to one step).
     """
+    decode_stalled_by_prefill_seconds: _builtins.float
+    """Decode time spent in engine steps that also carried other requests' prefill
+    chunks (chunked prefill runs them beside running decodes).
+    """
+    decode_prefill_interference_seconds: _builtins.float
+    """The estimated extra time those chunks cost this request: each such step's time
+    minus what a decode-only step of the same batch takes on this engine.
+    """
     def __init__(
         self,
         *,
@@ -335,10 +345,12 @@ class Timings(_message.Message):
         frontend_seconds: _builtins.float = ...,
         client_time_to_first_token_seconds: _builtins.float = ...,
         intake_seconds: _builtins.float = ...,
+        decode_stalled_by_prefill_seconds: _builtins.float = ...,
+        decode_prefill_interference_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_seconds", b"decode_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -100,3 +100,14 @@ def test_prefill_tokens_computed_excludes_prefix_cache_hits() -> None:
         front=front(0.5),
     )
     assert record.prefill_tokens_computed == 36
+
+
+def test_prefill_interference_is_reported_for_a_request_that_decoded_only() -> None:
+    engine = EngineTimestamps(100.0, 100.1, 100.5, 102.5, decode_stalled_seconds=0.4, decode_interference_seconds=0.3)
+    timings = derive_phase_timings(front(99.9), engine, 20)
+    assert timings.decode_stalled_by_prefill_seconds == 0.4
+    assert timings.decode_prefill_interference_seconds == 0.3
+    # One token: no decode step to share with anyone.
+    single = derive_phase_timings(front(99.9), EngineTimestamps(100.0, 100.1, 100.5, 100.5), 1)
+    assert single.decode_stalled_by_prefill_seconds is None
+    assert single.decode_prefill_interference_seconds is None

@@ -350,3 +350,43 @@ def test_without_a_price_there_are_no_cost_series() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
     metrics(clock, registry).record(decode_step(1))
     assert device(registry, "phasescope_idle_cost_per_hour") is None
+
+
+def test_the_interference_ledger_charges_mixed_steps_against_decode_only_ones() -> None:
+    from telemetry.steps import Interference, InterferenceLedger
+
+    ledger = InterferenceLedger()
+    # Decode-only steps of batch 4 take 50 ms: the reference. They add nothing.
+    for _ in range(3):
+        ledger.record(decode_step(4, elapsed=0.05), decode_share_seconds=0.05)
+    assert ledger.read(0) == Interference()
+    # A 300-token chunk beside the 4 decodes makes the step 200 ms: all of it stalled, 150 ms extra.
+    ledger.record(StepRecord(0, 1, 300, 4, 4, 0.2), decode_share_seconds=0.02)
+    assert ledger.read(0).stalled_seconds == pytest.approx(0.2)
+    assert ledger.read(0).extra_seconds == pytest.approx(0.15)
+    # A batch never seen decode-only is compared with the nearest batch seen (4), not with nothing.
+    ledger.record(StepRecord(0, 1, 300, 5, 5, 0.25), decode_share_seconds=0.02)
+    assert ledger.read(0).extra_seconds == pytest.approx(0.15 + 0.2)
+    # Prefill-only steps stall no decode; another engine's totals are its own.
+    ledger.record(StepRecord(0, 2, 600, 0, 0, 0.5), decode_share_seconds=0.0)
+    assert ledger.read(0).stalled_seconds == pytest.approx(0.45)
+    assert ledger.read(1) == Interference()
+
+
+def test_before_any_decode_only_step_the_roofline_split_is_the_reference() -> None:
+    from telemetry.steps import InterferenceLedger
+
+    ledger = InterferenceLedger()
+    ledger.record(StepRecord(0, 1, 300, 4, 4, 0.2), decode_share_seconds=0.03)
+    assert ledger.read(0).extra_seconds == pytest.approx(0.17)
+
+
+def test_step_metrics_advance_the_ledger_they_are_given() -> None:
+    from telemetry.steps import InterferenceLedger
+
+    clock, registry, ledger = FakeClock(), CollectorRegistry(), InterferenceLedger()
+    tracker = StepMetrics("m", COST, "float32", PEAKS, registry, window_seconds=10.0, clock=clock, interference=ledger)
+    tracker.record(decode_step(2, elapsed=0.05))
+    tracker.record(StepRecord(0, 1, 100, 2, 2, 0.08))
+    assert ledger.read(0).stalled_seconds == pytest.approx(0.08)
+    assert ledger.read(0).extra_seconds == pytest.approx(0.03)
