@@ -63,6 +63,17 @@ class RooflineReport:
         data["rows"] = [asdict(row) for row in self.rows]
         return data
 
+    def cost_per_million_tokens(self, cost_per_hour: float) -> list[float]:
+        """Per decode row: what a million output tokens cost at `cost_per_hour` per device.
+
+        The deployment's price (per device × TP × PP) for an hour ÷ the tokens it decodes in
+        that hour at the row's rate, × one million.
+        """
+        devices = self.tensor_parallel_size * self.pipeline_parallel_size
+        return [
+            cost_per_hour * devices / (row.decode_tokens_per_second_total * 3600.0) * 1e6 for row in self.rows
+        ]
+
 
 def decode_step(cost: ModelCost, peaks: HardwarePeaks, dtype: str, batch_size: int, context_length: int) -> DecodeRow:
     bandwidth = peaks.memory_bandwidth_bytes_per_second

@@ -60,6 +60,11 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--context", type=int, default=0, help="context length per sequence in tokens (default 0)")
     parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the prefill estimate")
+    parser.add_argument(
+        "--cost-per-hour",
+        type=float,
+        help="price of one device per hour: adds the cost of a million decoded tokens at each batch size",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
     parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
@@ -147,7 +152,7 @@ def live_points(samples: Samples) -> list[dict[str, Any]]:
     ]
 
 
-def print_table(report: RooflineReport) -> None:
+def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> None:
     out = sys.stdout
 
     def gb(value: float) -> str:
@@ -187,8 +192,11 @@ def print_table(report: RooflineReport) -> None:
         file=out,
     )
     header = ("batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound")
+    if cost_per_hour is not None:
+        header = (*header, "cost/M tok")
+    prices = report.cost_per_million_tokens(cost_per_hour) if cost_per_hour is not None else []
     print("".join(f"{h:>13}" for h in header), file=out)
-    for row in report.rows:
+    for index, row in enumerate(report.rows):
         cells = (
             f"{row.batch_size}",
             f"{row.decode_tokens_per_second_per_sequence:,.2f}",
@@ -200,6 +208,8 @@ def print_table(report: RooflineReport) -> None:
             f"{row.arithmetic_intensity_flops_per_byte:,.1f}",
             row.bound,
         )
+        if prices:
+            cells = (*cells, f"{prices[index]:,.4g}")
         print("".join(f"{c:>13}" for c in cells), file=out)
     bound_at = report.compute_bound_batch_size
     print(
@@ -278,6 +288,9 @@ def cmd(args: argparse.Namespace) -> int:
     except ValueError:
         print(f"phasescope roofline: --batch-sizes must be integers, got {args.batch_sizes!r}", file=sys.stderr)
         return 2
+    if args.cost_per_hour is not None and not args.cost_per_hour >= 0:
+        print(f"phasescope roofline: --cost-per-hour must be 0 or more, got {args.cost_per_hour}", file=sys.stderr)
+        return 2
     if not batch_sizes or min(batch_sizes) < 1 or args.context < 0 or args.prompt_tokens < 1:
         print("phasescope roofline: batch sizes and --prompt-tokens must be ≥ 1, --context ≥ 0", file=sys.stderr)
         return 2
@@ -287,12 +300,16 @@ def cmd(args: argparse.Namespace) -> int:
     live = live_points(samples)
     if args.json:
         data = report.to_json()
+        if args.cost_per_hour is not None:
+            data["cost_per_hour"] = args.cost_per_hour
+            for row, price in zip(data["rows"], report.cost_per_million_tokens(args.cost_per_hour), strict=True):
+                row["cost_per_million_tokens"] = price
         if args.metrics_url:
             data["live"] = live
         json.dump(data, sys.stdout, indent=2)
         print()
     else:
-        print_table(report)
+        print_table(report, args.cost_per_hour)
         for point in live:
             print(
                 f"live engine {point['engine']} {point['phase']}: {point['arithmetic_intensity_flops_per_byte']:.1f} "

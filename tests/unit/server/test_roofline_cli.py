@@ -172,3 +172,23 @@ def test_a_moe_config_without_checkpoint_is_costed_from_its_config(
     assert main(["roofline", "--model", str(tmp_path), "--hardware", "h200", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert (data["parameter_count"], data["active_parameter_count"]) == (46_702_792_704, 12_879_925_248)
+
+
+def test_cost_per_million_tokens_at_each_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,64", "--json"]
+    assert main([*argv, "--cost-per-hour", "2.5"]) == 0
+    batch_1, batch_64 = json.loads(capsys.readouterr().out)["rows"]
+    # $2.50 an hour buys 3,600 s × 23.93 tok/s at batch 1: $29.02 per million tokens; batch 64 shares it 64 ways.
+    assert batch_1["cost_per_million_tokens"] == pytest.approx(2.5 / (3.35e12 / 140e9 * 3600) * 1e6)
+    assert batch_64["cost_per_million_tokens"] == pytest.approx(batch_1["cost_per_million_tokens"] / 64)
+    # TP 4 pays four GPUs for a step each streams a quarter of: four times the price, four times the tokens.
+    assert main([*argv, "--cost-per-hour", "2.5", "--tensor-parallel-size", "4"]) == 0
+    tp_batch_1 = json.loads(capsys.readouterr().out)["rows"][0]
+    assert tp_batch_1["decode_tokens_per_second_total"] == pytest.approx(4 * batch_1["decode_tokens_per_second_total"])
+    assert tp_batch_1["cost_per_million_tokens"] == pytest.approx(batch_1["cost_per_million_tokens"])
+
+
+def test_a_negative_price_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--cost-per-hour must be 0 or more" in refusal(
+        ["roofline", "--params", "1e9", "--cost-per-hour", "-1"], capsys
+    )
