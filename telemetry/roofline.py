@@ -70,9 +70,7 @@ class RooflineReport:
         that hour at the row's rate, × one million.
         """
         devices = self.tensor_parallel_size * self.pipeline_parallel_size
-        return [
-            cost_per_hour * devices / (row.decode_tokens_per_second_total * 3600.0) * 1e6 for row in self.rows
-        ]
+        return [cost_per_hour * devices / (row.decode_tokens_per_second_total * 3600.0) * 1e6 for row in self.rows]
 
 
 def decode_step(cost: ModelCost, peaks: HardwarePeaks, dtype: str, batch_size: int, context_length: int) -> DecodeRow:

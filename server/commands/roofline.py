@@ -191,13 +191,15 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
         "time = max(bytes ÷ peak bytes/s, FLOPs ÷ peak FLOP/s)",
         file=out,
     )
-    header = ("batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound")
+    header: tuple[str, ...] = (
+        "batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound",
+    )  # fmt: skip
     if cost_per_hour is not None:
         header = (*header, "cost/M tok")
     prices = report.cost_per_million_tokens(cost_per_hour) if cost_per_hour is not None else []
     print("".join(f"{h:>13}" for h in header), file=out)
     for index, row in enumerate(report.rows):
-        cells = (
+        cells: tuple[str, ...] = (
             f"{row.batch_size}",
             f"{row.decode_tokens_per_second_per_sequence:,.2f}",
             f"{row.decode_tokens_per_second_total:,.1f}",
