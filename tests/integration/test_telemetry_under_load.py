@@ -252,3 +252,51 @@ def test_prefill_interference_grows_with_the_prompts_injected_beside_a_decode(se
     assert delta(after, before, "phasescope_decode_prefill_stall_seconds_sum") == pytest.approx(
         short[0] + long[0], rel=1e-6
     )
+
+
+def bound(samples: Samples, phase: str) -> list[str]:
+    """The verdicts whose phasescope_bound series reads 1 for engine 0's phase."""
+    return [
+        dict(labels)["verdict"]
+        for (name, labels), value in samples.items()
+        if name == "phasescope_bound" and ("phase", phase) in labels and ("engine", "0") in labels and value == 1
+    ]
+
+
+def test_the_verdict_follows_its_evidence_on_the_real_engine(server: ServerProcess) -> None:
+    assert server.wait_engine_idle() == IDLE
+    time.sleep(WINDOW_SECONDS + 0.5)
+    idle = server.samples()
+    # Nothing ran in the window: both phases idle, no overhead figure, full headroom.
+    assert bound(idle, "decode") == ["idle"]
+    assert bound(idle, "prefill") == ["idle"]
+    assert sum_samples(idle, "phasescope_host_overhead_ratio") == 0.0
+    assert sum_samples(idle, "phasescope_headroom_ratio", engine="0") == 1.0
+    decoders = DecodingStreams(server, 1)
+    try:
+        time.sleep(WINDOW_SECONDS + 0.5)
+        busy = server.samples()
+    finally:
+        decoders.stop()
+    assert not decoders.errors
+    # One stream decoding for a whole window: one verdict, and the one its evidence gives —
+    # host when the steps ran below 70 % of the roofline's speed, else the roof they sit under.
+    (verdict,) = bound(busy, "decode")
+    overhead = sum_samples(busy, "phasescope_host_overhead_ratio", engine="0", phase="decode")
+    assert 0.0 <= overhead <= 1.0
+    if overhead > 0.3:
+        assert verdict == "host"
+    else:
+        # Batch-1 decode streams its weights: under the bandwidth roof, far left of the ridge.
+        assert verdict == "memory"
+    # One request, nothing waiting: no queue; headroom is below 1 by what the decode uses.
+    assert sum_samples(busy, "phasescope_queue_wait_ratio", engine="0") == 0.0
+    (limit,) = [dict(labels)["limit"] for name, labels in busy if name == "phasescope_headroom_ratio"]
+    headroom = sum_samples(busy, "phasescope_headroom_ratio", engine="0")
+    bandwidth = sum_samples(busy, "phasescope_device_memory_bandwidth_utilization_ratio", engine="0")
+    if limit == "bandwidth":
+        assert headroom == pytest.approx(max(0.0, 1 - bandwidth / 0.8), abs=0.05)
+    assert 0.0 <= headroom < 1.0
+    # No price configured: no cost series.
+    assert not any(name == "phasescope_idle_cost_per_hour" for name, _ in busy)
+    assert server.wait_engine_idle(timeout=60) == IDLE
