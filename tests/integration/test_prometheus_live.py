@@ -1,32 +1,51 @@
-"""A real Prometheus scrapes the server under load; every dashboard and alert query evaluates against it."""
+"""A real Prometheus scrapes the server under load; every dashboard, alert and autoscaler query evaluates against it."""
 
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 import subprocess
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
 import pytest
+import yaml
 
 from server.client import PhasescopeClient, build_request
-from support.prometheus import PrometheusServer
+from support.prometheus import PrometheusServer, render_adapter_query
 from support.servers import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "dashboards" / "phasescope.json"
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
+SCALED_OBJECT = ROOT / "deploy" / "k8s" / "autoscaling" / "keda" / "scaledobject.yaml"
+ADAPTER_RULES = ROOT / "deploy" / "k8s" / "autoscaling" / "prometheus-adapter-rules.yaml"
 # Series that exist only on Hopper-or-newer GPUs (NVML GPM): absent, by design, on CI.
 GPU_ONLY = re.compile(r"phasescope_gpu_")
+# What the Prometheus Operator's service discovery adds to every series of a pod; the
+# autoscalers' queries select on them.
+NAMESPACE, POD = "phasescope-test", "phasescope-0"
+
+
+@pytest.fixture(scope="module")
+def server(start_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
+    """This module's own server, priced so the cost panels have data (the shared one runs without a price)."""
+    priced = start_server("--accelerator-cost-per-hour", "2.5")
+    yield priced
+    priced.stop()
 
 
 @pytest.fixture(scope="module")
 def prometheus(server: ServerProcess, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PrometheusServer]:
-    instance = PrometheusServer(tmp_path_factory.mktemp("prometheus"), [f"127.0.0.1:{server.metrics_port}"])
+    instance = PrometheusServer(
+        tmp_path_factory.mktemp("prometheus"),
+        [f"127.0.0.1:{server.metrics_port}"],
+        target_labels={"namespace": NAMESPACE, "pod": POD},
+    )
     yield instance
     instance.stop()
 
@@ -98,8 +117,6 @@ def test_template_variables_find_the_model_and_instance(prometheus: PrometheusSe
 
 
 def test_every_alert_expression_evaluates_and_the_rules_load(prometheus: PrometheusServer, loaded: str) -> None:
-    import yaml
-
     rules = [rule for group in yaml.safe_load(ALERTS.read_text())["groups"] for rule in group["rules"]]
     for rule in rules:
         answer = prometheus.query(rule["expr"])
@@ -116,6 +133,47 @@ def test_every_alert_expression_evaluates_and_the_rules_load(prometheus: Prometh
         time.sleep(0.5)
     assert {rule["name"] for rule in loaded_rules} == {rule["alert"] for rule in rules}
     assert all(rule["health"] == "ok" for rule in loaded_rules), [(r["name"], r.get("lastError")) for r in loaded_rules]
+
+
+def test_keda_queries_return_one_value_for_the_deployment(prometheus: PrometheusServer, loaded: str) -> None:
+    values: dict[str, list[float]] = {}
+    for trigger in yaml.safe_load(SCALED_OBJECT.read_text())["spec"]["triggers"]:
+        # Over the load: headroom is used only while requests run.
+        answer = prometheus.query_range(trigger["metadata"]["query"], seconds=300)
+        assert answer["status"] == "success", f"{trigger['name']}: {answer.get('error')}"
+        series = answer["data"]["result"]
+        # KEDA's Prometheus scaler refuses a query that returns more than one element.
+        assert len(series) == 1, (trigger["name"], series)
+        values[trigger["name"]] = [float(value) for _, value in series[0]["values"]]
+        assert all(math.isfinite(value) and value >= 0 for value in values[trigger["name"]]), trigger["name"]
+    # One pod: its 1 − headroom, at most 1, above 0 while the load ran.
+    used = values["phasescope_headroom_used_ratio"]
+    assert max(used) <= 1
+    assert max(used) > 0
+
+
+def test_prometheus_adapter_rules_find_the_pod_and_serve_its_metrics(prometheus: PrometheusServer, loaded: str) -> None:
+    for rule in yaml.safe_load(ADAPTER_RULES.read_text())["rules"]:
+        name = rule["name"]["as"]
+        # Discovery: the adapter lists the series its seriesQuery matches and maps their labels to resources.
+        found = prometheus.api("series", **{"match[]": rule["seriesQuery"]})
+        assert found["status"] == "success", f"{name}: {found.get('error')}"
+        assert found["data"], f"{name}: seriesQuery found no series"
+        assert {(series["namespace"], series["pod"]) for series in found["data"]} == {(NAMESPACE, POD)}
+        (metric,) = {series["__name__"] for series in found["data"]}
+        assert re.fullmatch(rule["name"]["matches"], metric), name
+        # What the HPA's Pods metric asks for: this namespace's pods, one value per pod.
+        query = render_adapter_query(
+            rule["metricsQuery"],
+            series=metric,
+            label_matchers=f'namespace="{NAMESPACE}",pod=~"{POD}"',
+            group_by="pod",
+        )
+        answer = prometheus.query(query)
+        assert answer["status"] == "success", f"{name}: {query}: {answer.get('error')}"
+        result = answer["data"]["result"]
+        assert [series["metric"] for series in result] == [{"pod": POD}], f"{name}: {query}: {result}"
+        assert math.isfinite(float(result[0]["value"][1])), name
 
 
 def test_live_metrics_pass_promtool_lint(server: ServerProcess, client: PhasescopeClient) -> None:

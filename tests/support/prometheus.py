@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 import subprocess
 import time
@@ -21,7 +22,8 @@ ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
 
 
 class PrometheusServer:
-    def __init__(self, workdir: Path, targets: list[str]) -> None:
+    def __init__(self, workdir: Path, targets: list[str], target_labels: dict[str, str] | None = None) -> None:
+        """`target_labels` go on every scraped series, as Kubernetes service discovery adds `namespace` and `pod`."""
         binary = shutil.which("prometheus")
         assert binary, "prometheus is not installed: run `make setup`"
         self.port = free_port()
@@ -29,7 +31,9 @@ class PrometheusServer:
         config = {
             "global": {"scrape_interval": "1s", "evaluation_interval": "1s"},
             "rule_files": [str(ALERTS)],
-            "scrape_configs": [{"job_name": "phasescope", "static_configs": [{"targets": targets}]}],
+            "scrape_configs": [
+                {"job_name": "phasescope", "static_configs": [{"targets": targets, "labels": target_labels or {}}]}
+            ],
         }
         config_path = workdir / "prometheus.yml"
         config_path.write_text(yaml.safe_dump(config))
@@ -77,3 +81,18 @@ class PrometheusServer:
             self.process.kill()
             self.process.wait()
         self._log.close()
+
+
+def render_adapter_query(template: str, series: str, label_matchers: str, group_by: str) -> str:
+    """A prometheus-adapter `metricsQuery` as the adapter sends it, its `<<.Field>>` placeholders filled in.
+
+    For a Pods metric the adapter passes the series' name, `namespace="ns",pod=~"a|b"` as the label
+    matchers and `pod` as the grouping.
+    """
+    values = {"Series": series, "LabelMatchers": label_matchers, "GroupBy": group_by}
+
+    def fill(match: re.Match[str]) -> str:
+        assert match.group(1) in values, f"prometheus-adapter has no placeholder <<.{match.group(1)}>>"
+        return values[match.group(1)]
+
+    return re.sub(r"<<\s*\.(\w+)\s*>>", fill, template)

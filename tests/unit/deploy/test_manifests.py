@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -13,10 +14,14 @@ from typing import Any
 import pytest
 import yaml
 
+from support.prometheus import render_adapter_query
+
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 OVERLAYS = ("cpu", "gpu", "multi-gpu")
 BIN = Path(sys.executable).parent
+KEDA = DEPLOY / "k8s/autoscaling/keda"
+ADAPTER_RULES = DEPLOY / "k8s/autoscaling/prometheus-adapter-rules.yaml"
 
 
 def tool(name: str) -> str:
@@ -60,9 +65,20 @@ def test_compose_file_parses() -> None:
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
-    result = run(tool("kubectl"), "kustomize", f"k8s/overlays/{overlay}")
+    return render_folder(DEPLOY / "k8s/overlays" / overlay)
+
+
+def render_folder(folder: Path) -> list[dict[str, Any]]:
+    result = run(tool("kubectl"), "kustomize", str(folder))
     assert result.returncode == 0, result.stderr
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
+
+
+def validate(documents: list[dict[str, Any]], path: Path) -> None:
+    """Against the Kubernetes schemas; custom resources (ServiceMonitor, ScaledObject) are skipped with a warning."""
+    path.write_text(yaml.safe_dump_all(documents))
+    result = run(tool("kubernetes-validate"), "--strict", "--quiet", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -77,10 +93,7 @@ def test_overlay_renders_and_validates_against_the_kubernetes_schemas(overlay: s
         "PodDisruptionBudget",
         "HorizontalPodAutoscaler",
     } <= kinds
-    rendered = tmp_path / f"{overlay}.yaml"
-    rendered.write_text(yaml.safe_dump_all(documents))
-    result = run(tool("kubernetes-validate"), "--strict", "--quiet", str(rendered))
-    assert result.returncode == 0, result.stdout + result.stderr
+    validate(documents, tmp_path / f"{overlay}.yaml")
 
 
 def deployment(overlay: str) -> dict[str, Any]:
@@ -141,3 +154,127 @@ def test_dashboard_queries_use_only_metrics_the_server_exports() -> None:
                 continue
             family = next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
             assert name in documented or family in documented, f"{name} is not an exported series"
+
+
+def hpa_targets(documents: list[dict[str, Any]]) -> dict[str, str]:
+    """The HPA's per-pod metrics: name -> target average value."""
+    hpa = next(doc for doc in documents if doc["kind"] == "HorizontalPodAutoscaler")
+    return {
+        metric["pods"]["metric"]["name"]: metric["pods"]["target"]["averageValue"] for metric in hpa["spec"]["metrics"]
+    }
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    return list(yaml.safe_load(ADAPTER_RULES.read_text())["rules"])
+
+
+def test_every_hpa_metric_is_served_per_pod_by_a_prometheus_adapter_rule() -> None:
+    rules = {rule["name"]["as"]: rule for rule in adapter_rules()}
+    targets = hpa_targets(render("cpu"))
+    assert set(targets) == {"phasescope_headroom_used_ratio", "phasescope_engine_requests_waiting"}
+    for name in targets:
+        rule = rules[name]
+        # The custom-metrics API finds a pod's series by these two labels.
+        assert 'namespace!=""' in rule["seriesQuery"], name
+        assert 'pod!=""' in rule["seriesQuery"], name
+        assert rule["resources"]["overrides"] == {"namespace": {"resource": "namespace"}, "pod": {"resource": "pod"}}
+        assert re.fullmatch(rule["name"]["matches"], rule["seriesQuery"].split("{")[0]), name
+        assert "<<.LabelMatchers>>" in rule["metricsQuery"], name
+        assert "<<.GroupBy>>" in rule["metricsQuery"], name
+
+
+def scaled_object(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    return next(doc for doc in documents if doc["kind"] == "ScaledObject")
+
+
+def test_keda_overlay_replaces_the_hpa_with_a_scaled_object_on_the_same_signals(tmp_path: Path) -> None:
+    documents = render("gpu-keda")
+    kinds = [doc["kind"] for doc in documents]
+    # KEDA owns an HPA of its own: a second one on the Deployment would fight it.
+    assert "HorizontalPodAutoscaler" not in kinds
+    assert kinds.count("ScaledObject") == 1
+    validate(documents, tmp_path / "gpu-keda.yaml")
+    scaler = scaled_object(documents)
+    # ScaledObject is KEDA's custom resource, which kubernetes-validate has no schema for: its shape here.
+    assert scaler["apiVersion"] == "keda.sh/v1alpha1"
+    target = scaler["spec"]["scaleTargetRef"]
+    deployment_name = next(doc for doc in documents if doc["kind"] == "Deployment")["metadata"]["name"]
+    assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment"), target["name"]) == (
+        "apps/v1",
+        "Deployment",
+        deployment_name,
+    )
+    replaced = render("gpu")
+    base = next(doc for doc in replaced if doc["kind"] == "HorizontalPodAutoscaler")["spec"]
+    spec = scaler["spec"]
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (base["minReplicas"], base["maxReplicas"])
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == base["behavior"]
+    # Each of the HPA's signals, with the same target per replica.
+    targets = hpa_targets(replaced)
+    triggers = {trigger["name"]: trigger for trigger in spec["triggers"]}
+    assert len(triggers) == len(spec["triggers"])
+    assert set(triggers) == set(targets)
+    for name, average in targets.items():
+        trigger = triggers[name]
+        assert trigger["type"] == "prometheus"
+        assert trigger.get("metricType", "AverageValue") == "AverageValue"
+        metadata = trigger["metadata"]
+        assert set(metadata) >= {"serverAddress", "query", "threshold"}
+        assert re.fullmatch(r"https?://[\w.-]+(:\d+)?/?", metadata["serverAddress"]), metadata["serverAddress"]
+        # The CRD types trigger metadata as a map of strings: an unquoted number is refused.
+        assert all(isinstance(value, str) for value in metadata.values()), metadata
+        assert float(metadata["threshold"]) == float(average) > 0, name
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_keda_component_composes_with_every_overlay(overlay: str, tmp_path: Path) -> None:
+    # kustomize takes relative paths only.
+    folder = tmp_path / "keda"
+    folder.mkdir()
+    (folder / "kustomization.yaml").write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "kustomize.config.k8s.io/v1beta1",
+                "kind": "Kustomization",
+                "resources": [os.path.relpath(DEPLOY / "k8s/overlays" / overlay, folder)],
+                "components": [os.path.relpath(KEDA, folder)],
+            }
+        )
+    )
+    kinds = [doc["kind"] for doc in render_folder(folder)]
+    assert "HorizontalPodAutoscaler" not in kinds
+    assert kinds.count("ScaledObject") == kinds.count("Deployment") == 1
+
+
+def autoscaling_queries() -> dict[str, str]:
+    """Every PromQL expression the autoscalers send: KEDA's as written, the adapter's as it renders them."""
+    queries = {
+        f"keda {trigger['name']}": trigger["metadata"]["query"]
+        for trigger in scaled_object(render("gpu-keda"))["spec"]["triggers"]
+    }
+    for rule in adapter_rules():
+        name = rule["name"]["as"]
+        queries[f"adapter {name} seriesQuery"] = rule["seriesQuery"]
+        queries[f"adapter {name} metricsQuery"] = render_adapter_query(
+            rule["metricsQuery"], rule["seriesQuery"].split("{")[0], 'namespace="ns",pod=~"a|b"', "pod"
+        )
+    return queries
+
+
+def test_autoscaling_queries_parse_as_promql(tmp_path: Path) -> None:
+    # promtool parses recording rules offline; the live Prometheus test evaluates the same queries.
+    rules = {
+        "groups": [
+            {
+                "name": "autoscaling",
+                "rules": [
+                    {"record": f"autoscaling:query_{index}", "expr": expr}
+                    for index, expr in enumerate(autoscaling_queries().values())
+                ],
+            }
+        ]
+    }
+    path = tmp_path / "autoscaling.yml"
+    path.write_text(yaml.safe_dump(rules))
+    result = run(tool("promtool"), "check", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
