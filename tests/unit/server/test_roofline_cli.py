@@ -5,6 +5,7 @@ from pathlib import Path
 import pytest
 
 from server.cli import main
+from support.model_configs import LLAMA_3_1_70B, MIXTRAL_8X7B
 
 
 def test_reference_case_table(capsys: pytest.CaptureFixture[str]) -> None:
@@ -87,21 +88,9 @@ def test_an_unknown_dtype_is_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert "unknown dtype 'fp7'" in refusal(["roofline", "--params", "1e9", "--dtype", "fp7"], capsys)
 
 
-LLAMA_70B = {
-    "model_type": "llama",
-    "hidden_size": 8192,
-    "intermediate_size": 28672,
-    "num_hidden_layers": 80,
-    "num_attention_heads": 64,
-    "num_key_value_heads": 8,
-    "vocab_size": 128256,
-    "tie_word_embeddings": False,
-}
-
-
 def test_tensor_parallel_figures_are_per_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     # No checkpoint: the parameter count (70,553,706,496) is derived from the config.
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
     argv = ["roofline", "--model", str(tmp_path), "--tensor-parallel-size", "4", "--batch-sizes", "1", "--json"]
     assert main(argv) == 0
     data = json.loads(capsys.readouterr().out)
@@ -113,7 +102,7 @@ def test_tensor_parallel_figures_are_per_device(tmp_path: Path, capsys: pytest.C
 
 
 def test_kv_cache_dtype_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    (tmp_path / "config.json").write_text(json.dumps(LLAMA_70B))
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
     assert main(["roofline", "--model", str(tmp_path), "--kv-cache-dtype", "fp8", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 1
 
@@ -156,18 +145,7 @@ def test_a_moe_config_without_checkpoint_is_costed_from_its_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     # The bare Mixtral config that once printed a traceback now gives a table: 46.7B parameters, 12.9B active.
-    config = {
-        "model_type": "mixtral",
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "num_local_experts": 8,
-        "num_experts_per_tok": 2,
-        "vocab_size": 32000,
-        "tie_word_embeddings": False,
-    }
+    config = MIXTRAL_8X7B
     (tmp_path / "config.json").write_text(json.dumps(config))
     assert main(["roofline", "--model", str(tmp_path), "--hardware", "h200", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
