@@ -145,6 +145,13 @@ class PhasescopeClient(_Client):
     def tokenize(self, text: str | None = None, chat: Sequence[tuple[str, str]] | None = None) -> list[int]:
         return list(self._stub.Tokenize(tokenize_request(text, chat), **self._options()).token_ids)
 
+    def watch_telemetry(self, request: pb.WatchTelemetryRequest | None = None) -> Iterator[pb.TelemetrySnapshot]:
+        """Snapshots every interval until cancel() on the returned iterator (no deadline unless the client has one)."""
+        snapshots: Iterator[pb.TelemetrySnapshot] = self._stub.WatchTelemetry(
+            request or pb.WatchTelemetryRequest(), **self._options()
+        )
+        return snapshots
+
     def model_info(self) -> pb.ModelInfo:
         info: pb.ModelInfo = self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._options())
         return info
@@ -193,6 +200,17 @@ class AsyncPhasescopeClient(_Client):
         try:
             async for chunk in call:
                 yield chunk
+        finally:
+            call.cancel()
+
+    async def watch_telemetry(
+        self, request: pb.WatchTelemetryRequest | None = None
+    ) -> AsyncIterator[pb.TelemetrySnapshot]:
+        """Snapshots every interval; close the generator (aclose) to cancel the call."""
+        call: Any = self._stub.WatchTelemetry(request or pb.WatchTelemetryRequest(), **self._options())
+        try:
+            async for snapshot in call:
+                yield snapshot
         finally:
             call.cancel()
 

@@ -54,6 +54,25 @@ cancels ends with CANCELLED or DEADLINE_EXCEEDED: a status, not a chunk.
 """
 Global___FinishReason: _TypeAlias = FinishReason  # noqa: Y015
 
+class _RequestOrder:
+    ValueType = _typing.NewType("ValueType", _builtins.int)
+    V: _TypeAlias = ValueType  # noqa: Y015
+
+class _RequestOrderEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_RequestOrder.ValueType], _builtins.type):
+    DESCRIPTOR: _descriptor.EnumDescriptor
+    REQUEST_ORDER_UNSPECIFIED: _RequestOrder.ValueType  # 0
+    """Oldest first."""
+    REQUEST_ORDER_OLDEST_FIRST: _RequestOrder.ValueType  # 1
+    REQUEST_ORDER_NEWEST_FIRST: _RequestOrder.ValueType  # 2
+
+class RequestOrder(_RequestOrder, metaclass=_RequestOrderEnumTypeWrapper): ...
+
+REQUEST_ORDER_UNSPECIFIED: RequestOrder.ValueType  # 0
+"""Oldest first."""
+REQUEST_ORDER_OLDEST_FIRST: RequestOrder.ValueType  # 1
+REQUEST_ORDER_NEWEST_FIRST: RequestOrder.ValueType  # 2
+Global___RequestOrder: _TypeAlias = RequestOrder  # noqa: Y015
+
 @_typing.final
 class ChatMessage(_message.Message):
     DESCRIPTOR: _descriptor.Descriptor
@@ -615,3 +634,392 @@ class ModelInfo(_message.Message):
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class WatchTelemetryRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    INTERVAL_SECONDS_FIELD_NUMBER: _builtins.int
+    MAX_REQUESTS_FIELD_NUMBER: _builtins.int
+    REQUEST_ORDER_FIELD_NUMBER: _builtins.int
+    OMIT_REQUESTS_FIELD_NUMBER: _builtins.int
+    interval_seconds: _builtins.float
+    """Seconds between snapshots, 0.25 to 60; 0 means 1."""
+    max_requests: _builtins.int
+    """Requests in flight to list in each snapshot, at most 1000; 0 means 32."""
+    request_order: Global___RequestOrder.ValueType
+    """Which requests to list when there are more than max_requests."""
+    omit_requests: _builtins.bool
+    """List no requests (the engine and latency figures only)."""
+    def __init__(
+        self,
+        *,
+        interval_seconds: _builtins.float = ...,
+        max_requests: _builtins.int = ...,
+        request_order: Global___RequestOrder.ValueType = ...,
+        omit_requests: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["interval_seconds", b"interval_seconds", "max_requests", b"max_requests", "omit_requests", b"omit_requests", "request_order", b"request_order"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___WatchTelemetryRequest: _TypeAlias = WatchTelemetryRequest  # noqa: Y015
+
+@_typing.final
+class TelemetrySnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_UNIX_SECONDS_FIELD_NUMBER: _builtins.int
+    WINDOW_SECONDS_FIELD_NUMBER: _builtins.int
+    MODEL_NAME_FIELD_NUMBER: _builtins.int
+    UPTIME_SECONDS_FIELD_NUMBER: _builtins.int
+    PEAKS_FIELD_NUMBER: _builtins.int
+    ENGINES_FIELD_NUMBER: _builtins.int
+    ADMISSION_FIELD_NUMBER: _builtins.int
+    LATENCY_FIELD_NUMBER: _builtins.int
+    REQUESTS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    REQUESTS_FIELD_NUMBER: _builtins.int
+    DEVICE_FIELD_NUMBER: _builtins.int
+    time_unix_seconds: _builtins.float
+    """Wall-clock time of the snapshot, Unix seconds."""
+    window_seconds: _builtins.float
+    """The window every rate and ratio below is computed over (the server's
+    --metrics-window-seconds, or the time since start when shorter).
+    """
+    model_name: _builtins.str
+    uptime_seconds: _builtins.float
+    """Seconds since the server started."""
+    requests_in_flight: _builtins.int
+    """Requests in flight (all of them; `requests` lists at most max_requests)."""
+    device: _builtins.str
+    """The device the engines run on, as the server describes it."""
+    @_builtins.property
+    def peaks(self) -> Global___Peaks: ...
+    @_builtins.property
+    def engines(self) -> _containers.RepeatedCompositeFieldContainer[Global___EngineSnapshot]: ...
+    @_builtins.property
+    def admission(self) -> Global___AdmissionSnapshot: ...
+    @_builtins.property
+    def latency(self) -> Global___LatencySnapshot: ...
+    @_builtins.property
+    def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestSnapshot]: ...
+    def __init__(
+        self,
+        *,
+        time_unix_seconds: _builtins.float = ...,
+        window_seconds: _builtins.float = ...,
+        model_name: _builtins.str = ...,
+        uptime_seconds: _builtins.float = ...,
+        peaks: Global___Peaks | None = ...,
+        engines: _abc.Iterable[Global___EngineSnapshot] | None = ...,
+        admission: Global___AdmissionSnapshot | None = ...,
+        latency: Global___LatencySnapshot | None = ...,
+        requests_in_flight: _builtins.int = ...,
+        requests: _abc.Iterable[Global___RequestSnapshot] | None = ...,
+        device: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission", "latency", b"latency", "peaks", b"peaks"]  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission", "device", b"device", "engines", b"engines", "latency", b"latency", "model_name", b"model_name", "peaks", b"peaks", "requests", b"requests", "requests_in_flight", b"requests_in_flight", "time_unix_seconds", b"time_unix_seconds", "uptime_seconds", b"uptime_seconds", "window_seconds", b"window_seconds"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___TelemetrySnapshot: _TypeAlias = TelemetrySnapshot  # noqa: Y015
+
+@_typing.final
+class Peaks(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    MEMORY_BANDWIDTH_BYTES_PER_SECOND_FIELD_NUMBER: _builtins.int
+    FLOPS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    SOURCE_FIELD_NUMBER: _builtins.int
+    HARDWARE_FIELD_NUMBER: _builtins.int
+    RIDGE_POINT_FLOPS_PER_BYTE_FIELD_NUMBER: _builtins.int
+    memory_bandwidth_bytes_per_second: _builtins.float
+    """What each engine is judged against (on a CPU, its share of the machine)."""
+    flops_per_second: _builtins.float
+    dtype: _builtins.str
+    """The dtype the FLOP/s figure is for."""
+    source: _builtins.str
+    """"datasheet", "measured" or "flag"."""
+    hardware: _builtins.str
+    """The device the peaks describe."""
+    ridge_point_flops_per_byte: _builtins.float
+    """flops_per_second / memory_bandwidth_bytes_per_second."""
+    def __init__(
+        self,
+        *,
+        memory_bandwidth_bytes_per_second: _builtins.float = ...,
+        flops_per_second: _builtins.float = ...,
+        dtype: _builtins.str = ...,
+        source: _builtins.str = ...,
+        hardware: _builtins.str = ...,
+        ridge_point_flops_per_byte: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["dtype", b"dtype", "flops_per_second", b"flops_per_second", "hardware", b"hardware", "memory_bandwidth_bytes_per_second", b"memory_bandwidth_bytes_per_second", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "source", b"source"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___Peaks: _TypeAlias = Peaks  # noqa: Y015
+
+@_typing.final
+class EngineSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ENGINE_FIELD_NUMBER: _builtins.int
+    PHASES_FIELD_NUMBER: _builtins.int
+    MEMORY_BANDWIDTH_UTILIZATION_FIELD_NUMBER: _builtins.int
+    COMPUTE_UTILIZATION_FIELD_NUMBER: _builtins.int
+    COMPUTE_IDLE_FIELD_NUMBER: _builtins.int
+    BUSY_RATIO_FIELD_NUMBER: _builtins.int
+    RUNNING_FIELD_NUMBER: _builtins.int
+    WAITING_FIELD_NUMBER: _builtins.int
+    KV_CACHE_USAGE_FIELD_NUMBER: _builtins.int
+    QUEUE_WAIT_RATIO_FIELD_NUMBER: _builtins.int
+    HEADROOM_FIELD_NUMBER: _builtins.int
+    HEADROOM_LIMIT_FIELD_NUMBER: _builtins.int
+    IDLE_COST_PER_HOUR_FIELD_NUMBER: _builtins.int
+    HAS_COST_FIELD_NUMBER: _builtins.int
+    engine: _builtins.int
+    """The data-parallel engine core's index."""
+    memory_bandwidth_utilization: _builtins.float
+    """The device, all steps: bytes moved per second / peak bytes per second."""
+    compute_utilization: _builtins.float
+    """The device, all steps: FLOP/s / peak FLOP/s (MFU)."""
+    compute_idle: _builtins.float
+    """1 - compute_utilization."""
+    busy_ratio: _builtins.float
+    """Share of the window the engine spent executing steps."""
+    running: _builtins.int
+    """Requests in the engine's scheduler batch, and waiting for a slot."""
+    waiting: _builtins.int
+    kv_cache_usage: _builtins.float
+    """Share of the KV cache in use, 0 to 1."""
+    queue_wait_ratio: _builtins.float
+    """Share of request time in the engine spent waiting for a slot."""
+    headroom: _builtins.float
+    """How much more load fits before the nearest limit, 0 to 1 (docs/metrics.md)."""
+    headroom_limit: _builtins.str
+    """The binding limit: "bandwidth", "compute", "kv_cache" or "queue"."""
+    idle_cost_per_hour: _builtins.float
+    """Price per hour of the compute left idle (1 - MFU); 0 without
+    --accelerator-cost-per-hour (has_cost false).
+    """
+    has_cost: _builtins.bool
+    @_builtins.property
+    def phases(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseSnapshot]:
+        """"prefill" and "decode", in that order."""
+
+    def __init__(
+        self,
+        *,
+        engine: _builtins.int = ...,
+        phases: _abc.Iterable[Global___PhaseSnapshot] | None = ...,
+        memory_bandwidth_utilization: _builtins.float = ...,
+        compute_utilization: _builtins.float = ...,
+        compute_idle: _builtins.float = ...,
+        busy_ratio: _builtins.float = ...,
+        running: _builtins.int = ...,
+        waiting: _builtins.int = ...,
+        kv_cache_usage: _builtins.float = ...,
+        queue_wait_ratio: _builtins.float = ...,
+        headroom: _builtins.float = ...,
+        headroom_limit: _builtins.str = ...,
+        idle_cost_per_hour: _builtins.float = ...,
+        has_cost: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_usage", b"kv_cache_usage", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___EngineSnapshot: _TypeAlias = EngineSnapshot  # noqa: Y015
+
+@_typing.final
+class PhaseSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    PHASE_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    MEMORY_BANDWIDTH_UTILIZATION_FIELD_NUMBER: _builtins.int
+    COMPUTE_UTILIZATION_FIELD_NUMBER: _builtins.int
+    ARITHMETIC_INTENSITY_FIELD_NUMBER: _builtins.int
+    BATCH_SIZE_FIELD_NUMBER: _builtins.int
+    VERDICT_FIELD_NUMBER: _builtins.int
+    HOST_OVERHEAD_FIELD_NUMBER: _builtins.int
+    COST_PER_MILLION_TOKENS_FIELD_NUMBER: _builtins.int
+    RAN_FIELD_NUMBER: _builtins.int
+    phase: _builtins.str
+    """"prefill" or "decode"."""
+    tokens_per_second: _builtins.float
+    memory_bandwidth_utilization: _builtins.float
+    """This phase's part of the device's bandwidth saturation and MFU; 0 when no
+    step carried the phase (ran false).
+    """
+    compute_utilization: _builtins.float
+    arithmetic_intensity: _builtins.float
+    """FLOPs per byte moved by the phase: its operating point on the roofline."""
+    batch_size: _builtins.float
+    """Mean requests per step that carried the phase."""
+    verdict: _builtins.str
+    """What bounds the phase: "memory", "compute", "host", "queue" or "idle"."""
+    host_overhead: _builtins.float
+    """1 - predicted / measured step time for the phase's work (0 when ran is false)."""
+    cost_per_million_tokens: _builtins.float
+    """The window's price shared by busy time, per million of the phase's tokens;
+    0 without a price or tokens.
+    """
+    ran: _builtins.bool
+    """Whether any step in the window carried the phase."""
+    def __init__(
+        self,
+        *,
+        phase: _builtins.str = ...,
+        tokens_per_second: _builtins.float = ...,
+        memory_bandwidth_utilization: _builtins.float = ...,
+        compute_utilization: _builtins.float = ...,
+        arithmetic_intensity: _builtins.float = ...,
+        batch_size: _builtins.float = ...,
+        verdict: _builtins.str = ...,
+        host_overhead: _builtins.float = ...,
+        cost_per_million_tokens: _builtins.float = ...,
+        ran: _builtins.bool = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["arithmetic_intensity", b"arithmetic_intensity", "batch_size", b"batch_size", "compute_utilization", b"compute_utilization", "cost_per_million_tokens", b"cost_per_million_tokens", "host_overhead", b"host_overhead", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phase", b"phase", "ran", b"ran", "tokens_per_second", b"tokens_per_second", "verdict", b"verdict"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___PhaseSnapshot: _TypeAlias = PhaseSnapshot  # noqa: Y015
+
+@_typing.final
+class AdmissionSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    CAPACITY_FIELD_NUMBER: _builtins.int
+    REJECTED_IN_INTERVAL_FIELD_NUMBER: _builtins.int
+    in_flight: _builtins.int
+    """Requests admitted and not yet ended, and how many may be."""
+    capacity: _builtins.int
+    rejected_in_interval: _builtins.int
+    """Requests refused since the previous snapshot to this watcher (any reason)."""
+    def __init__(
+        self,
+        *,
+        in_flight: _builtins.int = ...,
+        capacity: _builtins.int = ...,
+        rejected_in_interval: _builtins.int = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["capacity", b"capacity", "in_flight", b"in_flight", "rejected_in_interval", b"rejected_in_interval"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdmissionSnapshot: _TypeAlias = AdmissionSnapshot  # noqa: Y015
+
+@_typing.final
+class LatencySnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    TIME_TO_FIRST_TOKEN_P50_SECONDS_FIELD_NUMBER: _builtins.int
+    TIME_TO_FIRST_TOKEN_P99_SECONDS_FIELD_NUMBER: _builtins.int
+    TIME_TO_FIRST_TOKEN_SAMPLES_FIELD_NUMBER: _builtins.int
+    INTER_TOKEN_P50_SECONDS_FIELD_NUMBER: _builtins.int
+    INTER_TOKEN_P99_SECONDS_FIELD_NUMBER: _builtins.int
+    INTER_TOKEN_SAMPLES_FIELD_NUMBER: _builtins.int
+    QUEUE_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
+    PREFILL_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
+    DECODE_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
+    time_to_first_token_p50_seconds: _builtins.float
+    """Over the window: time to first token and inter-token latency quantiles
+    (0 when no observation fell in the window; samples says how many).
+    """
+    time_to_first_token_p99_seconds: _builtins.float
+    time_to_first_token_samples: _builtins.int
+    inter_token_p50_seconds: _builtins.float
+    inter_token_p99_seconds: _builtins.float
+    inter_token_samples: _builtins.int
+    queue_mean_seconds: _builtins.float
+    """Means over the requests whose phase ended in the window."""
+    prefill_mean_seconds: _builtins.float
+    decode_mean_seconds: _builtins.float
+    def __init__(
+        self,
+        *,
+        time_to_first_token_p50_seconds: _builtins.float = ...,
+        time_to_first_token_p99_seconds: _builtins.float = ...,
+        time_to_first_token_samples: _builtins.int = ...,
+        inter_token_p50_seconds: _builtins.float = ...,
+        inter_token_p99_seconds: _builtins.float = ...,
+        inter_token_samples: _builtins.int = ...,
+        queue_mean_seconds: _builtins.float = ...,
+        prefill_mean_seconds: _builtins.float = ...,
+        decode_mean_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_mean_seconds", b"decode_mean_seconds", "inter_token_p50_seconds", b"inter_token_p50_seconds", "inter_token_p99_seconds", b"inter_token_p99_seconds", "inter_token_samples", b"inter_token_samples", "prefill_mean_seconds", b"prefill_mean_seconds", "queue_mean_seconds", b"queue_mean_seconds", "time_to_first_token_p50_seconds", b"time_to_first_token_p50_seconds", "time_to_first_token_p99_seconds", b"time_to_first_token_p99_seconds", "time_to_first_token_samples", b"time_to_first_token_samples"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LatencySnapshot: _TypeAlias = LatencySnapshot  # noqa: Y015
+
+@_typing.final
+class RequestSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
+    PHASE_FIELD_NUMBER: _builtins.int
+    AGE_SECONDS_FIELD_NUMBER: _builtins.int
+    PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    COMPLETION_TOKENS_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    DECODE_STALLED_BY_PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
+    DECODE_PREFILL_INTERFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    request_id: _builtins.str
+    """The client's request id (the engine's when it sent none)."""
+    phase: _builtins.str
+    """"frontend" (not yet handed to the engine), "prefill" (waiting for its
+    first token: queued or prefilling; the engine says which only at the first
+    token) or "decode".
+    """
+    age_seconds: _builtins.float
+    """Seconds since the server received it."""
+    prompt_tokens: _builtins.int
+    completion_tokens: _builtins.int
+    tokens_per_second: _builtins.float
+    """Output tokens per second since its first token (0 before a second token)."""
+    decode_stalled_by_prefill_seconds: _builtins.float
+    """Decode time so far in steps that also carried others' prefill chunks, and
+    the estimated extra those chunks cost it.
+    """
+    decode_prefill_interference_seconds: _builtins.float
+    """Never text: a snapshot carries no prompt or output."""
+    def __init__(
+        self,
+        *,
+        request_id: _builtins.str = ...,
+        phase: _builtins.str = ...,
+        age_seconds: _builtins.float = ...,
+        prompt_tokens: _builtins.int = ...,
+        completion_tokens: _builtins.int = ...,
+        tokens_per_second: _builtins.float = ...,
+        decode_stalled_by_prefill_seconds: _builtins.float = ...,
+        decode_prefill_interference_seconds: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "completion_tokens", b"completion_tokens", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "phase", b"phase", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___RequestSnapshot: _TypeAlias = RequestSnapshot  # noqa: Y015

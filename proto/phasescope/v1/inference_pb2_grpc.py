@@ -54,6 +54,11 @@ class InferenceStub:
                 request_serializer=phasescope_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
                 response_deserializer=phasescope_dot_v1_dot_inference__pb2.ModelInfo.FromString,
                 _registered_method=True)
+        self.WatchTelemetry = channel.unary_stream(
+                '/phasescope.v1.Inference/WatchTelemetry',
+                request_serializer=phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.SerializeToString,
+                response_deserializer=phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -87,6 +92,16 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def WatchTelemetry(self, request, context):
+        """Streams a snapshot of what every engine and every request is doing, every
+        interval, until the client cancels. A watcher that does not read misses
+        snapshots (none are queued for it). Beyond --max-watchers at once:
+        RESOURCE_EXHAUSTED.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +124,11 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.GetModelInfo,
                     request_deserializer=phasescope_dot_v1_dot_inference__pb2.GetModelInfoRequest.FromString,
                     response_serializer=phasescope_dot_v1_dot_inference__pb2.ModelInfo.SerializeToString,
+            ),
+            'WatchTelemetry': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchTelemetry,
+                    request_deserializer=phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.FromString,
+                    response_serializer=phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +239,33 @@ class Inference:
             '/phasescope.v1.Inference/GetModelInfo',
             phasescope_dot_v1_dot_inference__pb2.GetModelInfoRequest.SerializeToString,
             phasescope_dot_v1_dot_inference__pb2.ModelInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchTelemetry(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/phasescope.v1.Inference/WatchTelemetry',
+            phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.SerializeToString,
+            phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.FromString,
             options,
             channel_credentials,
             insecure,

@@ -43,6 +43,12 @@ class InferenceStub:
     """Turns text or a chat into the token ids the model would see."""
     GetModelInfo: _grpc.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.ModelInfo]
     """Describes the served model, its cost and the engine."""
+    WatchTelemetry: _grpc.UnaryStreamMultiCallable[_inference_pb2.WatchTelemetryRequest, _inference_pb2.TelemetrySnapshot]
+    """Streams a snapshot of what every engine and every request is doing, every
+    interval, until the client cancels. A watcher that does not read misses
+    snapshots (none are queued for it). Beyond --max-watchers at once:
+    RESOURCE_EXHAUSTED.
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -55,6 +61,12 @@ class InferenceAsyncStub(InferenceStub):
     """Turns text or a chat into the token ids the model would see."""
     GetModelInfo: _aio.UnaryUnaryMultiCallable[_inference_pb2.GetModelInfoRequest, _inference_pb2.ModelInfo]  # type: ignore[assignment]
     """Describes the served model, its cost and the engine."""
+    WatchTelemetry: _aio.UnaryStreamMultiCallable[_inference_pb2.WatchTelemetryRequest, _inference_pb2.TelemetrySnapshot]  # type: ignore[assignment]
+    """Streams a snapshot of what every engine and every request is doing, every
+    interval, until the client cancels. A watcher that does not read misses
+    snapshots (none are queued for it). Beyond --max-watchers at once:
+    RESOURCE_EXHAUSTED.
+    """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
     @_abc_1.abstractmethod
@@ -88,5 +100,17 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         context: _ServicerContext,
     ) -> _typing.Union[_inference_pb2.ModelInfo, _abc.Awaitable[_inference_pb2.ModelInfo]]:
         """Describes the served model, its cost and the engine."""
+
+    @_abc_1.abstractmethod
+    def WatchTelemetry(
+        self,
+        request: _inference_pb2.WatchTelemetryRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_abc.Iterator[_inference_pb2.TelemetrySnapshot], _abc.AsyncIterator[_inference_pb2.TelemetrySnapshot]]:
+        """Streams a snapshot of what every engine and every request is doing, every
+        interval, until the client cancels. A watcher that does not read misses
+        snapshots (none are queued for it). Beyond --max-watchers at once:
+        RESOURCE_EXHAUSTED.
+        """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...
