@@ -32,12 +32,14 @@ from server.interceptors import ExceptionToStatusInterceptor
 from server.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks
 from server.servicer import SERVICE_NAME, Admission, InferenceServicer, inference_handler
 from server.tracing_setup import build_tracing
+from server.watch import ServerFacts
 from telemetry.errors import TelemetryErrors
 from telemetry.gpu_counters import GpmSampler, start_gpu_counters
+from telemetry.live import LatencyFigures, RecentLatencies
 from telemetry.observer import ObserverGroup, RequestObserver
 from telemetry.prometheus import PrometheusRequestObserver
-from telemetry.step_metrics import StepMetrics
-from telemetry.steps import StepForwarder
+from telemetry.step_metrics import EngineView, StepMetrics
+from telemetry.steps import EngineIteration, StepForwarder
 from telemetry.verdict import HeadroomLimits
 
 logger = logging.getLogger(__name__)
@@ -82,6 +84,7 @@ class Server:
         self.registry = registry
         self._engine_factory = engine_factory
         self.exit_code = 0
+        self._started = time.monotonic()
         self._stop = asyncio.Event()
         self._engine: Engine | None = None
         self.health = health.aio.HealthServicer()
@@ -111,7 +114,8 @@ class Server:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
         tracing = build_tracing(settings)
         telemetry_errors = TelemetryErrors(model_name, self.registry)
-        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry, model_name)]
+        recent = RecentLatencies()
+        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry, model_name), recent]
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing is not None:
             observers.append(tracing.observer)
@@ -134,6 +138,7 @@ class Server:
             trace_id=tracing.trace_id if tracing is not None else lambda: None,
             capture_text=tracing is not None and settings.trace_include_text,
             identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
+            max_watchers=settings.max_watchers,
         )
 
         server = grpc.aio.server(
@@ -198,7 +203,7 @@ class Server:
                 interference=steps.interference,
             )
             steps.sink = tracker.record
-            steps.iteration_sink = tracker.record_iteration
+            steps.iteration_sink = functools.partial(_record_iteration, tracker, recent)
             steps.queue_sink = tracker.record_queue
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(
@@ -215,6 +220,10 @@ class Server:
             )
             await engine.warm_up()
             servicer.attach_engine(engine, engine_peaks)
+            servicer.attach_telemetry(
+                ServerFacts(model_name, description.device, description.dtype, engine_peaks, self._started),
+                LiveTelemetry(tracker, recent),
+            )
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info("ready: serving %s (health SERVING)", model_name)
             watcher = asyncio.create_task(self._watch_engine(engine))
@@ -283,3 +292,27 @@ class Server:
 def serve(settings: Settings) -> int:
     """Run the server until it is stopped; returns the process exit code."""
     return asyncio.run(Server(settings).run())
+
+
+def _record_iteration(tracker: StepMetrics, recent: RecentLatencies, iteration: EngineIteration) -> None:
+    """An output batch's inter-token gaps: for Prometheus and for live views."""
+    tracker.record_iteration(iteration)
+    recent.inter_token(iteration.inter_token_seconds)
+
+
+class LiveTelemetry:
+    """What WatchTelemetry snapshots read (server.watch.TelemetrySource)."""
+
+    def __init__(self, tracker: StepMetrics, recent: RecentLatencies) -> None:
+        self._tracker = tracker
+        self._recent = recent
+
+    def views(self) -> tuple[float, list[EngineView]]:
+        return self._tracker.views()
+
+    def latencies(self, window_seconds: float) -> LatencyFigures:
+        return self._recent.figures(window_seconds)
+
+    @property
+    def rejected(self) -> int:
+        return self._recent.rejected

@@ -49,6 +49,8 @@ class Settings:
     max_requests_per_client: int = 0
     """Requests one caller may have in flight (0: no limit); beyond it its requests get RESOURCE_EXHAUSTED.
     A caller is its bearer token when tokens are on, else its client certificate, else its address."""
+    max_watchers: int = 4
+    """WatchTelemetry streams open at once (phasescope top, dashboards); more get RESOURCE_EXHAUSTED."""
     enforce_eager: bool = False
     """Skip graph capture and torch.compile: starts much faster, runs somewhat slower."""
     kv_cache_gib: float | None = None
@@ -134,6 +136,8 @@ class Settings:
                 problems.append(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
         if self.max_queued_requests < 0:
             problems.append(f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}")
+        if self.max_watchers < 0:
+            problems.append(f"--max-watchers must be 0 or more, got {self.max_watchers}")
         if self.max_requests_per_client < 0:
             problems.append(f"--max-requests-per-client must be 0 or more, got {self.max_requests_per_client}")
         if self.max_model_len is not None and self.max_model_len < 1:

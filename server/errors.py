@@ -4,6 +4,7 @@
     ├── InvalidRequestError      the caller's fault: INVALID_ARGUMENT, names the field
     ├── OverloadedError          too many requests admitted: RESOURCE_EXHAUSTED
     │   └── ClientLimitError     too many from this one caller: RESOURCE_EXHAUSTED
+    ├── WatcherLimitError        --max-watchers telemetry watchers already: RESOURCE_EXHAUSTED
     ├── NotReadyError            engine still starting, or the server draining: UNAVAILABLE
     └── EngineUnavailableError   the engine died: UNAVAILABLE
 
@@ -39,6 +40,10 @@ class ClientLimitError(OverloadedError):
     """One caller already has as many requests in flight as it may (`--max-requests-per-client`)."""
 
 
+class WatcherLimitError(PhasescopeError):
+    """As many WatchTelemetry streams are open as the server allows (`--max-watchers`)."""
+
+
 class NotReadyError(PhasescopeError):
     """The server cannot take requests now (starting or draining); retry elsewhere or later."""
 
@@ -54,6 +59,8 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     (ClientLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, "client_limit"),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
+    # A watcher is no request: refusing one is not counted as a rejected request.
+    (WatcherLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE, "not_ready"),
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "engine_unavailable"),
     (asyncio.CancelledError, grpc.StatusCode.CANCELLED, None),

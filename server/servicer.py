@@ -27,6 +27,7 @@ from server.errors import (
     NotReadyError,
     OverloadedError,
     PhasescopeError,
+    WatcherLimitError,
     rejection_reason,
     status_for,
 )
@@ -37,9 +38,11 @@ from server.validation import (
     check_prompt_length,
     decode_generate_request,
     decode_tokenize_request,
+    decode_watch_request,
     parse_generate_input,
     parse_tokenize_input,
 )
+from server.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
 from telemetry.hardware import HardwarePeaks
 from telemetry.observer import RequestObserver
 from telemetry.phases import (
@@ -146,6 +149,7 @@ class _RequestTrace:
 
     def __init__(self, prompt_tokens: int, streaming: bool) -> None:
         self.front = FrontendTimestamps(entry=time.monotonic(), wall_at_entry=time.time())
+        self.request_id = ""
         self.streaming = streaming
         self.prompt_tokens = prompt_tokens
         self.completion_tokens = 0
@@ -206,6 +210,7 @@ class InferenceServicer:
         trace_id: Callable[[], str | None] = lambda: None,
         capture_text: bool = False,
         identify: Callable[[ServicerContext], str] = lambda context: "",
+        max_watchers: int = 4,
     ) -> None:
         """`trace_id` names the current trace for exemplars (tracing hands one in; the servicer
         never imports OpenTelemetry). `capture_text` puts prompt and output text in the record.
@@ -219,14 +224,28 @@ class InferenceServicer:
         self._engine: Engine | None = None
         self._peaks: HardwarePeaks | None = None
         self._draining = False
+        # Requests from admission to their end, for WatchTelemetry (keyed by the trace itself).
+        self._in_flight: dict[int, _RequestTrace] = {}
+        self._telemetry: tuple[ServerFacts, TelemetrySource] | None = None
+        self._max_watchers = max_watchers
+        self._watchers = 0
 
     def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> None:
         """`peaks` are what each engine is judged against (shared between engines on one CPU)."""
         self._peaks = peaks
         self._engine = engine
 
+    def attach_telemetry(self, facts: ServerFacts, source: TelemetrySource) -> None:
+        """What WatchTelemetry snapshots are made of (server.app, once the engine's figures exist)."""
+        self._telemetry = (facts, source)
+
     def start_draining(self) -> None:
         self._draining = True
+
+    @property
+    def watchers(self) -> int:
+        """WatchTelemetry streams open now."""
+        return self._watchers
 
     @property
     def admission(self) -> Admission:
@@ -264,6 +283,8 @@ class InferenceServicer:
         except PhasescopeError as exc:
             self._reject(exc)
             raise
+        trace.request_id = request.request_id
+        self._in_flight[id(trace)] = trace
         try:
             prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
@@ -274,12 +295,14 @@ class InferenceServicer:
             steps = engine.generate(engine_request_id, prompt_token_ids, sampling)
         except BaseException as exc:
             self._admission.release(caller)
+            self._in_flight.pop(id(trace), None)
             if isinstance(exc, PhasescopeError):
                 self._reject(exc)
             raise
 
         # The proto promises an id: the client's, or the engine's when it sent none.
         client_request_id = request.request_id or engine_request_id
+        trace.request_id = client_request_id
         trace.prompt_tokens = len(prompt_token_ids)
         code = grpc.StatusCode.OK
         error: BaseException | None = None
@@ -326,6 +349,7 @@ class InferenceServicer:
         finally:
             trace.mark(ended=time.monotonic())
             self._admission.release(caller)
+            self._in_flight.pop(id(trace), None)
             if not trace.first_token_reported and trace.has_first_token:
                 # The first token came but its chunk never reached the client (cancelled
                 # while it was written): its stages are still observed, once.
@@ -404,6 +428,53 @@ class InferenceServicer:
             raise
         return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
 
+    async def WatchTelemetry(
+        self, request: pb.WatchTelemetryRequest | UndecodableRequest, context: ServicerContext
+    ) -> AsyncGenerator[pb.TelemetrySnapshot, None]:
+        """A snapshot every interval until the client cancels or the server drains.
+
+        The next snapshot is built only once the previous one is written: a watcher that
+        stops reading holds one message in flow control and misses the ticks in between
+        (nothing queues for it), and its handler waits without work.
+        """
+        if isinstance(request, UndecodableRequest):
+            raise InvalidRequestError(request.field, request.reason)
+        options = watch_options(request)
+        self._ready_engine()
+        telemetry = self._telemetry
+        if telemetry is None:
+            raise NotReadyError("the engine's telemetry is still starting; retry in a moment")
+        if self._watchers >= self._max_watchers:
+            raise WatcherLimitError(
+                f"{self._watchers} telemetry watchers already (--max-watchers {self._max_watchers}); "
+                "close one or retry later"
+            )
+        facts, source = telemetry
+        self._watchers += 1
+        try:
+            rejected_before = source.rejected
+            tick = time.monotonic()
+            while not self._draining:
+                rejected = source.rejected
+                admission = self._admission
+                yield build_snapshot(
+                    facts,
+                    source,
+                    list(self._in_flight.values()),
+                    (admission.in_flight, admission.capacity),
+                    rejected - rejected_before,
+                    options,
+                )
+                rejected_before = rejected
+                # The next tick on the watcher's own grid; ticks missed while it was not reading are skipped.
+                now = time.monotonic()
+                tick += options.interval_seconds
+                if tick <= now:
+                    tick += options.interval_seconds * (1 + int((now - tick) // options.interval_seconds))
+                await asyncio.sleep(tick - now)
+        finally:
+            self._watchers -= 1
+
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:
         engine = self._ready_engine()
         d = engine.description
@@ -462,6 +533,11 @@ def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             servicer.Tokenize,
             request_deserializer=decode_tokenize_request,
             response_serializer=pb.TokenizeResponse.SerializeToString,
+        ),
+        "WatchTelemetry": grpc.unary_stream_rpc_method_handler(
+            servicer.WatchTelemetry,
+            request_deserializer=decode_watch_request,
+            response_serializer=pb.TelemetrySnapshot.SerializeToString,
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(
             servicer.GetModelInfo,

@@ -133,6 +133,11 @@ def _check_decoded(message: Message, data: bytes, input_fields: frozenset[int]) 
     return None
 
 
+def decode_watch_request(data: bytes) -> pb.WatchTelemetryRequest | UndecodableRequest:
+    message = pb.WatchTelemetryRequest()
+    return _check_decoded(message, data, frozenset()) or message
+
+
 def decode_generate_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
     message = pb.GenerateRequest()
     return _check_decoded(message, data, _GENERATE_INPUT_FIELDS) or message

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -30,7 +31,16 @@ from telemetry.steps import (
     StepWindow,
     attribute_step,
 )
-from telemetry.verdict import VERDICTS, HeadroomLimits, PhaseWork, headroom, phase_verdict, token_cost
+from telemetry.verdict import (
+    VERDICTS,
+    Headroom,
+    HeadroomLimits,
+    PhaseWork,
+    Verdict,
+    headroom,
+    phase_verdict,
+    token_cost,
+)
 
 # Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
 # to seconds on a loaded CPU.
@@ -38,6 +48,28 @@ INTER_TOKEN_SECONDS_BUCKETS = (
     0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseView:
+    figures: PhaseFigures
+    verdict: Verdict
+    cost_per_million_tokens: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine over the window: what the answer series and a live snapshot show."""
+
+    engine: int
+    device: DeviceFigures
+    phases: dict[str, PhaseView]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    queue_share: float
+    headroom: Headroom
+    idle_cost_per_hour: float | None
 
 
 class StepMetrics(Collector):
@@ -245,13 +277,66 @@ class StepMetrics(Collector):
             yield family
         yield from self._peak_families()
 
+    def views(self) -> tuple[float, list[EngineView]]:
+        """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
+        phases, devices = self.window.figures()
+        return self.window.length(), self._views(phases, devices)
+
+    def _views(
+        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
+    ) -> list[EngineView]:
+        length = self.window.length()
+        queue_shares = self.window.queue_shares()
+        schedulers = self.window.schedulers()
+        views = []
+        for engine, device in devices.items():
+            share = queue_shares.get(engine, 0.0)
+            running, waiting, kv_usage = schedulers.get(engine, (0, 0, 0.0))
+            cost = None
+            if self._cost_per_hour is not None:
+                cost = token_cost(
+                    self._cost_per_hour,
+                    length,
+                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
+                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
+                    device.compute_idle,
+                )
+            phase_views = {}
+            for phase in PHASES:
+                figures = phases[(engine, phase)]
+                work = PhaseWork(
+                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
+                )
+                phase_views[phase] = PhaseView(
+                    figures,
+                    phase_verdict(phase, work, length, share),
+                    cost.per_million_tokens.get(phase) if cost is not None else None,
+                )
+            views.append(
+                EngineView(
+                    engine=engine,
+                    device=device,
+                    phases=phase_views,
+                    running=running,
+                    waiting=waiting,
+                    kv_cache_usage=kv_usage,
+                    queue_share=share,
+                    headroom=headroom(
+                        self._headroom_limits,
+                        device.memory_bandwidth_utilization,
+                        device.compute_utilization,
+                        kv_usage,
+                        share,
+                    ),
+                    idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
+                )
+            )
+        return views
+
     def _answer_families(
         self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
     ) -> Iterator[Metric]:
         """The verdict per phase, headroom per engine and cost per token (telemetry.verdict)."""
-        length = self.window.length()
-        queue_shares = self.window.queue_shares()
-        kv_usage = self.window.kv_cache_usage()
         bound = GaugeMetricFamily(
             "phasescope_bound",
             "What bounds the phase over the window: 1 for the current verdict (memory, compute, host, queue, "
@@ -288,39 +373,20 @@ class StepMetrics(Collector):
             "compute; absent without --accelerator-cost-per-hour.",
             labels=["model", "engine"],
         )
-        for engine, device in devices.items():
-            labels = [self._model, str(engine)]
-            share = queue_shares.get(engine, 0.0)
-            queue.add_metric(labels, share)
-            for phase in PHASES:
-                figures = phases[(engine, phase)]
-                work = PhaseWork(
-                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
-                )
-                verdict = phase_verdict(phase, work, length, share)
+        for view in self._views(phases, devices):
+            labels = [self._model, str(view.engine)]
+            queue.add_metric(labels, view.queue_share)
+            for phase, phase_view in view.phases.items():
+                verdict = phase_view.verdict
                 for name in VERDICTS:
                     bound.add_metric([*labels, phase, name], 1.0 if name == verdict.verdict else 0.0)
                 if verdict.host_overhead is not None:
                     overhead.add_metric([*labels, phase], verdict.host_overhead)
-            limit = headroom(
-                self._headroom_limits,
-                device.memory_bandwidth_utilization,
-                device.compute_utilization,
-                kv_usage.get(engine, 0.0),
-                share,
-            )
-            room.add_metric([*labels, limit.limit], limit.ratio)
-            if self._cost_per_hour is not None:
-                cost = token_cost(
-                    self._cost_per_hour,
-                    length,
-                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
-                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
-                    device.compute_idle,
-                )
-                for phase, value in cost.per_million_tokens.items():
-                    per_million.add_metric([*labels, phase], value)
-                idle_cost.add_metric(labels, cost.idle_per_hour)
+                if phase_view.cost_per_million_tokens is not None:
+                    per_million.add_metric([*labels, phase], phase_view.cost_per_million_tokens)
+            room.add_metric([*labels, view.headroom.limit], view.headroom.ratio)
+            if view.idle_cost_per_hour is not None:
+                idle_cost.add_metric(labels, view.idle_cost_per_hour)
         yield from (bound, overhead, queue, room)
         if self._cost_per_hour is not None:
             yield from (per_million, idle_cost)

@@ -313,7 +313,7 @@ class StepWindow:
         self._recent: deque[_Windowed] = deque()
         # Scheduler samples (time, engine, running, waiting), one per stats update.
         self._queue: deque[tuple[float, int, int, int]] = deque()
-        self._kv_cache_usage: dict[int, float] = {}
+        self._scheduler: dict[int, tuple[int, int, float]] = {}
 
     def add(self, step: StepRecord, cost: StepCost) -> None:
         now = self._clock()
@@ -326,7 +326,7 @@ class StepWindow:
         now = self._clock()
         with self._lock:
             self._queue.append((now, engine, running, waiting))
-            self._kv_cache_usage[engine] = kv_cache_usage
+            self._scheduler[engine] = (running, waiting, kv_cache_usage)
             self._expire(now)
 
     def _expire(self, now: float) -> None:
@@ -356,9 +356,10 @@ class StepWindow:
             total[engine] = total.get(engine, 0.0) + held * (waiting + running)
         return {engine: waited[engine] / total[engine] if total[engine] else 0.0 for engine in total}
 
-    def kv_cache_usage(self) -> dict[int, float]:
+    def schedulers(self) -> dict[int, tuple[int, int, float]]:
+        """Per engine, its latest scheduler state: (running, waiting, KV-cache usage)."""
         with self._lock:
-            return {engine: self._kv_cache_usage.get(engine, 0.0) for engine in range(self.engines)}
+            return {engine: self._scheduler.get(engine, (0, 0, 0.0)) for engine in range(self.engines)}
 
     def _snapshot(self) -> tuple[list[tuple[float, _Windowed]], float]:
         """(fraction inside the window, entry) pairs, and the window's length."""
