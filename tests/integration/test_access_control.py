@@ -123,3 +123,18 @@ def test_one_caller_at_its_limit_does_not_hold_back_another(secure_server: Serve
             time.sleep(0.1)
         assert one.generate(build_request(prompt="Now me", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
     assert secure_server.sample_sum("phasescope_requests_rejected_total", reason="client_limit") == rejected_before + 1
+
+
+def test_watching_telemetry_obeys_the_same_tls_and_tokens(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
+    from phasescope.v1 import inference_pb2 as pb
+
+    request = pb.WatchTelemetryRequest(interval_seconds=0.25)
+    with PhasescopeClient(secure_server.address, timeout_seconds=30, credentials=credentials(pki, token=TOKEN)) as ok:
+        snapshots = ok.watch_telemetry(request)
+        snapshot = next(snapshots)
+        snapshots.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
+    assert snapshot.engines
+    anonymous = PhasescopeClient(secure_server.address, timeout_seconds=30, credentials=credentials(pki))
+    with anonymous, pytest.raises(grpc.RpcError) as caught:
+        next(anonymous.watch_telemetry(request))
+    assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
