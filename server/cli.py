@@ -16,10 +16,11 @@ from server.commands import (
     roofline,
     serve,
     tokenize,
+    top,
 )
 
 # In the order `phasescope --help` lists them.
-SUBCOMMANDS: tuple[Subcommand, ...] = (serve, prepare_model, generate, tokenize, info, roofline, bench, hardware)
+SUBCOMMANDS: tuple[Subcommand, ...] = (serve, prepare_model, generate, tokenize, info, top, roofline, bench, hardware)
 
 
 def build_parser() -> argparse.ArgumentParser:

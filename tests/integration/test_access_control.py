@@ -138,3 +138,24 @@ def test_watching_telemetry_obeys_the_same_tls_and_tokens(secure_server: ServerP
     with anonymous, pytest.raises(grpc.RpcError) as caught:
         next(anonymous.watch_telemetry(request))
     assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
+
+
+def test_phasescope_top_once_over_mutual_tls_with_a_token(
+    secure_server: ServerProcess, pki: dict[str, Path], tmp_path: Path
+) -> None:
+    import subprocess
+    import sys
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    tls = ["--ca-file", str(pki["ca"]), "--client-cert", str(pki["client_cert"])]
+    tls += ["--client-key", str(pki["client_key"])]
+    command = [sys.executable, "-m", "server", "top", "--address", secure_server.address, *tls, "--once"]
+    served = subprocess.run([*command, "--token-file", str(token_file)], capture_output=True, text=True, timeout=120)
+    assert served.returncode == 0, served.stderr
+    assert "engine 0" in served.stdout
+    # Without the token: one line and exit 2, as the other client commands.
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2
+    assert refused.stderr.strip().count("\n") == 0
+    assert "UNAUTHENTICATED" in refused.stderr
