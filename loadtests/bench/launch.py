@@ -1,4 +1,4 @@
-"""Starting what the bench measures, one engine at a time, on the same engine settings."""
+"""Starting what the bench measures, on the same engine settings for every target."""
 
 from __future__ import annotations
 
@@ -7,7 +7,6 @@ import sys
 import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from loadtests.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget
 from loadtests.harness import ManagedProcess, PhasescopeProcess, free_port
@@ -26,7 +25,7 @@ class EngineSettings:
 
 
 def start_phasescope(
-    settings: EngineSettings, log: Path, extra_args: tuple[str, ...] = ()
+    settings: EngineSettings, log: Path, extra_args: tuple[str, ...] = (), api: str = "prompt"
 ) -> tuple[PhasescopeProcess, PhasescopeTarget]:
     server = PhasescopeProcess(
         [
@@ -38,10 +37,10 @@ def start_phasescope(
         log,
     )  # fmt: skip
     server.wait_serving()
-    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid)
+    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid, api)
 
 
-def start_openai(settings: EngineSettings, out: Path) -> tuple[ManagedProcess, OpenAITarget]:
+def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tuple[ManagedProcess, OpenAITarget]:
     port = free_port()
     command = [
         sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", settings.model,
@@ -58,10 +57,11 @@ def start_openai(settings: EngineSettings, out: Path) -> tuple[ManagedProcess, O
             return bool(response.status == 200)
 
     server.wait_until(healthy, "vLLM's OpenAI server")
-    return server, OpenAITarget(base, settings.served_name, server.process.pid)
+    return server, OpenAITarget(base, settings.served_name, server.process.pid, api)
 
 
-def start_in_process(settings: EngineSettings) -> tuple[Any, InProcessTarget]:
+def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcessTarget:
+    """vLLM's AsyncLLM in this process; closing the target shuts the engine down."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
@@ -70,8 +70,7 @@ def start_in_process(settings: EngineSettings) -> tuple[Any, InProcessTarget]:
         max_model_len=settings.max_model_len, enforce_eager=True, max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30), disable_log_stats=True,
     )  # fmt: skip
-    llm = AsyncLLM.from_engine_args(args)
-    return llm, InProcessTarget(llm)
+    return InProcessTarget(AsyncLLM.from_engine_args(args), api)
 
 
 def default_settings(args: argparse.Namespace) -> EngineSettings:

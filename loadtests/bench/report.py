@@ -1,75 +1,170 @@
-"""A bench run from the command line's arguments: the sweeps, bench.json, the plots and the printed tables."""
+"""The run's report: report.md beside bench.json and the PNG plots, and the tables printed at the end.
+
+Markdown with linked PNG files rather than one HTML page with embedded images: the
+folder can be committed as it is (docs/data/) and reads on GitHub and in any editor, the
+tables diff line by line between runs, and the images stay files a reader can open alone;
+a self-contained HTML page would be one opaque, base64-swollen blob in review.
+"""
 
 from __future__ import annotations
 
-import argparse
-import asyncio
-import json
-import sys
-from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
-from loadtests.bench.launch import default_settings, start_in_process, start_openai, start_phasescope
-from loadtests.bench.loop import sweep
-from loadtests.bench.plots import plot
-from loadtests.bench.summary import FORMULAS, ratios
-from loadtests.bench.targets import PhasescopeTarget
-from loadtests.harness import StartError
+
+def _number(value: float, digits: int) -> str:
+    return f"{value:,.{digits}f}"
 
 
-async def run(args: argparse.Namespace) -> dict[str, Any]:
-    points = [("concurrency", float(c)) for c in args.concurrency.split(",") if c.strip()]
-    points += [("rate", float(r)) for r in args.rates.split(",") if r.strip()]
-    if not points or any(value <= 0 for _, value in points) or args.requests < 1:
-        raise SystemExit(
-            "phasescope bench: give at least one positive --concurrency or --rates point and --requests ≥ 1"
-        )
-    args.output_dir.mkdir(parents=True, exist_ok=True)
-    settings = default_settings(args)
-    results: list[dict[str, Any]] = []
-    # One engine at a time: on a small machine two engines would measure each other.
-    if args.compare:
-        llm, in_process = start_in_process(settings)
-        try:
-            await sweep(in_process, points, args, results)
-        finally:
-            llm.shutdown()
-        server, openai = start_openai(settings, args.output_dir)
-        try:
-            await sweep(openai, points, args, results)
-        finally:
-            await openai.close()
-            server.stop()
-    if args.address:
-        await sweep(PhasescopeTarget(args.address, args.metrics_url, None), points, args, results)
-    else:
-        phasescope, ours = start_phasescope(settings, args.output_dir / "phasescope.log")
-        try:
-            await sweep(ours, points, args, results)
-        finally:
-            phasescope.stop()
-    return {"settings": asdict(settings), "formulas": FORMULAS, "points": results, "ratios": ratios(results)}
+def figure(point: dict[str, Any], name: str, digits: int = 1, percent: bool = False) -> str:
+    """`median` or, with repeats that differ, `median [min–max]`; — when the point lacks it."""
+    if name not in point:
+        return "—"
+    scale, suffix = (100.0, " %") if percent else (1.0, "")
+    text = _number(point[name] * scale, digits)
+    spread = point.get("spread", {}).get(name)
+    if spread and spread["min"] != spread["max"]:
+        text += f" [{_number(spread['min'] * scale, digits)}–{_number(spread['max'] * scale, digits)}]"
+    return text + suffix
 
 
-def main(args: argparse.Namespace) -> int:
-    """`phasescope bench` (its flags are defined by `server.commands.bench`)."""
-    try:
-        report = asyncio.run(run(args))
-    except StartError as exc:  # a server that did not start is the operator's problem, not a traceback
-        raise SystemExit(str(exc)) from exc
-    path = args.output_dir / "bench.json"
-    path.write_text(json.dumps(report, indent=2) + "\n")
-    plots = plot(report["points"], args.output_dir)
-    print("\n" + "\n".join(f"  {value}" for value in FORMULAS.values()))
-    columns = ("target", "load", "value", "output_throughput", "request_throughput", "median_ttft_ms", "p99_ttft_ms",
-               "median_tpot_ms", "p99_tpot_ms", "median_itl_ms", "median_e2el_ms", "errors")  # fmt: skip
-    print("| " + " | ".join(columns) + " | front-end CPU s/1k tok |")
-    print("|" + "---|" * (len(columns) + 1))
-    for point in report["points"]:
-        cells = [f"{point[c]:.2f}" if isinstance(point[c], float) else str(point[c]) for c in columns]
-        cpu = point.get("frontend_cpu_seconds_per_1k_tokens")
-        print("| " + " | ".join(cells) + f" | {cpu:.3f} |" if cpu is not None else "| " + " | ".join(cells) + " | — |")
-    for row in report["ratios"]:
+def _table(header: list[str], rows: list[list[str]]) -> list[str]:
+    return ["| " + " | ".join(header) + " |", "|" + "---|" * len(header), *("| " + " | ".join(r) + " |" for r in rows)]
+
+
+def plan_lines(results: dict[str, Any]) -> list[str]:
+    """One sentence per target: the search's answer with its bracket and spread, or where a sweep stopped."""
+    lines = []
+    unit = {"rate": "requests/s", "concurrency": "concurrent requests"}
+    for plan in results.get("plans", []):
+        target = plan["target"]
+        if plan.get("mode") == "search":
+            load, target_ratio = plan["load"], plan["goodput_target"]
+            low, high = plan["bracket"]
+            objectives = ", ".join(f"{name} ≤ {value:g}" for name, value in results["slo"].items())
+            head = f"**{target}**: highest {load} with goodput ratio ≥ {target_ratio:g} ({objectives})"
+            if plan["status"] == "never_passed":
+                lines.append(f"{head}: none — even {high:.3g} {unit[load]} failed (the limit is below it).")
+                continue
+            ratio = plan.get("goodput_ratio_at_answer", {})
+            at = (f"goodput ratio there {ratio['median']:.3f} (min–max {ratio['min']:.3f}–{ratio['max']:.3f} "
+                  f"over {results['parameters']['repeats']} repeats)") if ratio else ""  # fmt: skip
+            if plan["status"] == "never_failed":
+                lines.append(f"{head}: ≥ **{low:.3g}** {unit[load]} — every point passed, the answer is a lower "
+                             f"bound ({plan['points_run']} points); {at}.")  # fmt: skip
+            else:
+                note = "" if plan["converged"] else " (point budget spent before the bracket narrowed)"
+                above = plan.get("goodput_ratio_at_first_failing")
+                beyond = (f"; at {high:.3g}: {above['median']:.3f} ({above['min']:.3f}–{above['max']:.3f})"
+                          if above else "")  # fmt: skip
+                lines.append(f"{head}: **{low:.3g}** {unit[load]}, bracket [{low:.3g}, {high:.3g}]{note}; {at}"
+                             f"{beyond}; {plan['points_run']} points.")  # fmt: skip
+            if plan.get("answer_over_saturated"):
+                lines.append(f"  (at {low:.3g} the run was flagged over-saturated: a longer run may not hold it.)")
+        elif plan.get("saturation_stop"):
+            stop = plan["saturation_stop"]
+            skipped = ", ".join(f"{v:g}" for v in stop["skipped"]) or "none"
+            lines.append(f"**{target}**: rate sweep stopped at {stop['value']:g} requests/s, over-saturated — "
+                         f"{'; '.join(stop['reasons'])}; rates not run: {skipped}.")  # fmt: skip
+    return lines
+
+
+LATENCY_HEADER = ["target", "load", "req/s", "output tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+                  "E2E p50 ms", "errors"]  # fmt: skip
+HARDWARE_HEADER = ["target", "load", "MBU device", "MBU decode", "MFU device", "compute idle", "prefill verdict",
+                   "decode verdict", "decode host overhead", "KV cache mean / max", "queue wait",
+                   "headroom (limit)"]  # fmt: skip
+
+
+def _load(point: dict[str, Any]) -> str:
+    return f"{point['load']} {point['value']:.3g}"
+
+
+def latency_rows(points: list[dict[str, Any]], slo: dict[str, float]) -> tuple[list[str], list[list[str]]]:
+    header = list(LATENCY_HEADER)
+    if slo:
+        header[3:3] = ["goodput ratio", "goodput req/s", "goodput tok/s"]
+    cpu = any("frontend_cpu_seconds_per_1k_tokens" in p for p in points)
+    if cpu:
+        header.append("front-end CPU s/1k tok")
+    header.append("over-saturated")
+    rows = []
+    for p in points:
+        row = [p["target"], _load(p), figure(p, "request_throughput", 2), figure(p, "output_throughput"),
+               figure(p, "median_ttft_ms"), figure(p, "p99_ttft_ms"), figure(p, "median_tpot_ms"),
+               figure(p, "median_e2el_ms", 0), figure(p, "errors", 0)]  # fmt: skip
+        if slo:
+            row[3:3] = [figure(p, "goodput_ratio", 1, percent=True), figure(p, "request_goodput", 2),
+                        figure(p, "output_goodput")]  # fmt: skip
+        if cpu:
+            row.append(figure(p, "frontend_cpu_seconds_per_1k_tokens", 3))
+        saturation = p.get("saturation", {})
+        row.append(f"yes ({saturation['runs_flagged']}/{p['repeats']})" if saturation.get("over_saturated") else "no")
+        rows.append(row)
+    return header, rows
+
+
+def hardware_rows(points: list[dict[str, Any]]) -> list[list[str]]:
+    rows = []
+    for p in points:
+        if "server_device_bandwidth_saturation" not in p:
+            continue
+        kv_mean, kv_max = (figure(p, f"server_{k}kv_cache_usage_ratio", 1, percent=True) for k in ("", "max_"))
+        headroom = f"{figure(p, 'server_headroom_ratio', 2)} ({p.get('server_headroom_limit', '—')})"
+        rows.append([p["target"], _load(p), figure(p, "server_device_bandwidth_saturation", 1, True),
+                     figure(p, "server_decode_bandwidth_saturation", 1, True),
+                     figure(p, "server_device_compute_utilization", 2, True),
+                     figure(p, "server_device_compute_idleness", 1, True), p.get("server_prefill_verdict", "—"),
+                     p.get("server_decode_verdict", "—"), figure(p, "server_decode_host_overhead_ratio", 2),
+                     f"{kv_mean} / {kv_max}", figure(p, "server_queue_wait_ratio", 1, True), headroom])  # fmt: skip
+    return rows
+
+
+def _by_target_and_load(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each target's points together (in the order the targets ran), by load: a search runs them out of order."""
+    order = list(dict.fromkeys(p["target"] for p in points))
+    return sorted(points, key=lambda p: (order.index(p["target"]), p["load"], p["value"]))
+
+
+def write_report(results: dict[str, Any], plots: list[Path], out: Path) -> Path:
+    parameters, slo = results["parameters"], results["slo"]
+    points = _by_target_and_load(results["points"])
+    lines = [f"# phasescope bench — {results['started']}", "", "```sh", results["command"], "```", ""]
+    plans = plan_lines(results)
+    if plans:
+        lines += ["## Result", "", *plans, ""]
+    repeats = parameters["repeats"]
+    lines += ["## Points", "",
+              f"Each figure is the median over {repeats} repeat(s)" + (", with [min–max]" if repeats > 1 else "")
+              + f"; {parameters['requests']} measured requests per run.", ""]  # fmt: skip
+    header, rows = latency_rows(points, slo)
+    lines += [*_table(header, rows), ""]
+    hardware = hardware_rows(points)
+    if hardware:
+        lines += ["## The hardware at each point (the server's /metrics over the point)", "",
+                  *_table(HARDWARE_HEADER, hardware), ""]  # fmt: skip
+    lines += ["## Plots", "", *(f"![{p.stem}]({p.name})" for p in plots), ""]
+    lines += ["## Definitions", "", *(f"- `{name}`: {text}" for name, text in results["formulas"].items()), ""]
+    lines += ["## Parameters", "", *_table(["parameter", "value"], [[k, f"`{v}`"] for k, v in parameters.items()])]
+    if results.get("settings"):
+        lines += ["", "Engine settings: " + ", ".join(f"{k} `{v}`" for k, v in results["settings"].items()) + "."]
+    machine = results.get("machine", {})
+    lines += ["", "Machine: " + ", ".join(f"{k} `{v}`" for k, v in machine.items()) + ".",
+              "", "Raw results, every run and request: [bench.json](bench.json).", ""]  # fmt: skip
+    path = out / "report.md"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def print_tables(results: dict[str, Any]) -> None:
+    print("\n" + "\n".join(f"  {value}" for value in results["formulas"].values()))
+    points = _by_target_and_load(results["points"])
+    header, rows = latency_rows(points, results["slo"])
+    print("\n".join(_table(header, rows)))
+    hardware = hardware_rows(points)
+    if hardware:
+        print("\n".join(_table(HARDWARE_HEADER, hardware)))
+    for row in results["ratios"]:
         print("ratios " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-    print(f"results: {path}; plots: {', '.join(str(p) for p in plots)}", file=sys.stderr)
-    return 0
+    for line in plan_lines(results):
+        print(line)

@@ -1,4 +1,4 @@
-"""One point's statistics: vLLM bench-serve summaries and percentiles, and the server's own view from /metrics.
+"""One run's statistics: vLLM bench-serve summaries and percentiles (the server's view is in `hardware`).
 
 `ratios` then sets phasescope beside the other targets at every point.
 """
@@ -9,7 +9,6 @@ import statistics
 from typing import Any
 
 from loadtests.bench.workload import RequestRecord
-from telemetry.exposition import Samples, sum_samples
 
 FORMULAS = {
     "ttft": "TTFT = first streamed token − send",
@@ -20,6 +19,13 @@ FORMULAS = {
     "request_throughput": "completed requests ÷ duration",
     "total_token_throughput": "Σ (prompt + output tokens) ÷ duration",
     "frontend_cpu_seconds_per_1k_tokens": "front-end process user+system CPU seconds ÷ (streamed tokens ÷ 1000)",
+    "goodput_ratio": "requests that completed and met every --slo objective ÷ requests sent",
+    "request_goodput": "requests that met every --slo objective ÷ duration",
+    "output_goodput": "Σ output tokens of the requests that met every --slo objective ÷ duration",
+    "tokens_per_second_per_user": "1000 ÷ median TPOT (ms): the decode speed one stream sees",
+    "server_device_bandwidth_saturation": "bytes the model moved ÷ duration ÷ peak memory bandwidth (MBU)",
+    "server_device_compute_utilization": "model FLOPs ÷ duration ÷ peak FLOP/s (MFU); idleness = 1 − MFU",
+    "spread": "median, min and max of each figure over the point's repeats (each its own seed)",
 }
 
 
@@ -47,14 +53,13 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     output = sum(r.output_tokens for r in done)
     prompt = sum(r.prompt_tokens for r in done)
     ttfts = [r.ttft for r in done if r.ttft is not None]
-    tpots = [
-        (r.e2e - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1 and r.e2e and r.ttft is not None
-    ]
+    tpots = [r.tpot for r in done if r.tpot is not None]
     itls = [b - a for r in done for a, b in zip(r.token_times, r.token_times[1:], strict=False) if b > a]
     e2es = [r.e2e for r in done if r.e2e is not None]
     summary: dict[str, Any] = {
         "completed": len(done),
         "errors": len([r for r in records if r.error]),
+        "failed": len([r for r in records if r.error]),
         "timeouts": len([r for r in records if "Timeout" in r.error or "DEADLINE" in r.error]),
         "duration": duration,
         "total_input_tokens": prompt,
@@ -65,47 +70,8 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     }
     for prefix, values in (("ttft", ttfts), ("tpot", tpots), ("itl", itls), ("e2el", e2es)):
         summary.update(_percentiles(prefix, values))
+    summary["tokens_per_second_per_user"] = 1e3 / summary["median_tpot_ms"] if summary["median_tpot_ms"] else 0.0
     return summary
-
-
-def server_view(before: Samples, after: Samples, duration: float) -> dict[str, float]:
-    """The server's own account of the same window, from counter deltas."""
-
-    def delta(name: str, **labels: str) -> float:
-        return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
-
-    view: dict[str, float] = {}
-    for phase in ("frontend", "queue", "prefill", "decode"):
-        count = delta("phasescope_request_phase_seconds_count", phase=phase)
-        total = delta("phasescope_request_phase_seconds_sum", phase=phase)
-        view[f"server_mean_{phase}_ms"] = total / count * 1e3 if count else 0.0
-    view["server_requests_without_first_token"] = delta("phasescope_requests_without_first_token_total")
-    peak_bandwidth = sum_samples(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
-    peak_flops = sum_samples(after, "phasescope_hardware_peak_flops_per_second")
-    # Over the point's wall time, per engine average (peaks are per engine).
-    engines = max(1, len({dict(ls).get("engine") for (n, ls) in after if n == "phasescope_engine_requests"}))
-
-    def bandwidth_saturation(moved: float) -> float:
-        return moved / duration / engines / peak_bandwidth if peak_bandwidth else 0.0
-
-    def compute_utilization(flops: float) -> float:
-        return flops / duration / engines / peak_flops if peak_flops else 0.0
-
-    device_moved = device_flops = 0.0
-    for phase in ("prefill", "decode"):
-        view[f"server_{phase}_tokens_per_second"] = delta("phasescope_tokens_total", phase=phase) / duration
-        moved = delta("phasescope_model_read_bytes_total", phase=phase) + delta(
-            "phasescope_model_written_bytes_total", phase=phase
-        )
-        flops = delta("phasescope_model_flops_total", phase=phase)
-        device_moved, device_flops = device_moved + moved, device_flops + flops
-        # Each phase's part of the device's figures (docs/metrics.md).
-        view[f"server_{phase}_bandwidth_saturation"] = bandwidth_saturation(moved)
-        view[f"server_{phase}_compute_utilization"] = compute_utilization(flops)
-    view["server_device_bandwidth_saturation"] = bandwidth_saturation(device_moved)
-    # Compute idleness is the device's: 1 − MFU of all steps.
-    view["server_device_compute_idleness"] = 1.0 - compute_utilization(device_flops)
-    return view
 
 
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:

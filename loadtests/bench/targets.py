@@ -2,7 +2,9 @@
 
 Each target fills a `RequestRecord` with the arrival time of every token and
 reports the CPU seconds of its serving front-end process (None when there is
-no separate process to measure).
+no separate process to measure). `api` is `prompt` (a completion) or `chat` (the
+prompt as one user message, through the model's chat template: phasescope's
+`Chat` input, vLLM's `/v1/chat/completions`, the tokenizer's template in process).
 """
 
 from __future__ import annotations
@@ -16,10 +18,13 @@ from loadtests.bench.workload import BenchRequest, RequestRecord
 
 class Target(Protocol):
     name: str
+    metrics_url: str | None
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None: ...
 
     def frontend_cpu_seconds(self) -> float | None: ...
+
+    async def close(self) -> None: ...
 
 
 def _cpu(pid: int | None) -> float | None:
@@ -32,12 +37,13 @@ def _cpu(pid: int | None) -> float | None:
 
 
 class PhasescopeTarget:
-    def __init__(self, address: str, metrics_url: str | None, pid: int | None) -> None:
+    def __init__(self, address: str, metrics_url: str | None, pid: int | None, api: str = "prompt") -> None:
         import grpc
 
         from phasescope.v1 import inference_pb2_grpc as pb_grpc
 
         self.name = "phasescope"
+        self.api = api
         self.address = address
         self.metrics_url = metrics_url
         self._pid = pid
@@ -47,9 +53,9 @@ class PhasescopeTarget:
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
         from server.client import build_request
 
+        text = {"chat": [("user", request.prompt)]} if self.api == "chat" else {"prompt": request.prompt}
         call: Any = self._stub.GenerateStream(
-            build_request(prompt=request.prompt, max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0),
-            timeout=600,
+            build_request(**text, max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0), timeout=600
         )
         async for chunk in call:
             now = time.perf_counter()
@@ -61,21 +67,31 @@ class PhasescopeTarget:
     def frontend_cpu_seconds(self) -> float | None:
         return _cpu(self._pid)
 
+    async def close(self) -> None:
+        await self._channel.close()
+
 
 class OpenAITarget:
-    def __init__(self, base_url: str, model: str, pid: int | None) -> None:
+    def __init__(self, base_url: str, model: str, pid: int | None, api: str = "prompt") -> None:
         import aiohttp
 
         self.name = "vllm-openai"
-        self._url = f"{base_url}/v1/completions"
+        self.metrics_url: str | None = None
+        self.api = api
+        self._url = f"{base_url}/v1/chat/completions" if api == "chat" else f"{base_url}/v1/completions"
         self._model = model
         self._pid = pid
         self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        text: dict[str, Any] = (
+            {"messages": [{"role": "user", "content": request.prompt}]}
+            if self.api == "chat"
+            else {"prompt": request.prompt}
+        )
         body = {
             "model": self._model,
-            "prompt": request.prompt,
+            **text,
             "max_tokens": request.max_tokens,
             "temperature": 0.0,
             "ignore_eos": True,
@@ -98,7 +114,7 @@ class OpenAITarget:
                         record.token_times.extend([record.token_times[-1]] * missing)
                         record.output_tokens += missing
                 for choice in data.get("choices", []):
-                    if choice.get("text"):
+                    if choice.get("text") or (choice.get("delta") or {}).get("content"):
                         record.token_times.append(now)
                         record.output_tokens += 1
 
@@ -112,8 +128,10 @@ class OpenAITarget:
 class InProcessTarget:
     """vLLM's AsyncLLM in this process: no network, no serialisation: the engine's own limit."""
 
-    def __init__(self, llm: Any) -> None:
+    def __init__(self, llm: Any, api: str = "prompt") -> None:
         self.name = "in-process"
+        self.metrics_url: str | None = None
+        self.api = api
         self._llm = llm
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
@@ -123,7 +141,11 @@ class InProcessTarget:
         params = SamplingParams(
             max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True, output_kind=RequestOutputKind.DELTA
         )
-        async for output in self._llm.generate(request.prompt, params, f"bench-{request.index}-{time.monotonic_ns()}"):
+        prompt = request.prompt
+        if self.api == "chat":
+            messages = [{"role": "user", "content": request.prompt}]
+            prompt = self._llm.get_tokenizer().apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        async for output in self._llm.generate(prompt, params, f"bench-{request.index}-{time.monotonic_ns()}"):
             now = time.perf_counter()
             count = len(output.outputs[0].token_ids)
             record.token_times.extend([now] * count)
@@ -132,3 +154,9 @@ class InProcessTarget:
 
     def frontend_cpu_seconds(self) -> float | None:
         return None
+
+    async def close(self) -> None:
+        # Drop the engine with the shutdown: left to the interpreter's exit, AsyncLLM.__del__ runs after
+        # the modules it calls are gone and prints a TypeError.
+        llm, self._llm = self._llm, None
+        llm.shutdown()

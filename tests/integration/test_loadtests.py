@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
 from support.servers import ServerProcess
+from telemetry.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
@@ -72,11 +74,68 @@ def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_pa
         assert point["completed"] == 3
         assert point["errors"] == 0
         assert point["total_output_tokens"] == 24
-        assert len(point["records"]) == 3
+        assert len(point["runs"][0]["records"]) == 3
         # The server's own view of the same window.
         assert point["server_decode_tokens_per_second"] > 0
         assert 0 < point["server_device_compute_idleness"] <= 1
         assert 0 < point["server_decode_bandwidth_saturation"] <= point["server_device_bandwidth_saturation"]
     assert set(report["formulas"]) >= {"ttft", "tpot", "itl", "e2el"}
     for name in ("throughput.png", "pareto.png", "latency.png", "phases.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_bench_sweep_with_an_slo_and_repeats_reports_goodput_spread_and_the_hardware(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    out = tmp_path / "bench"
+    command = [
+        sys.executable, "-m", "server", "bench", "--address", server.address,
+        "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics",
+        "--concurrency", "1", "--rates", "4", "--requests", "3", "--warmup", "1", "--max-tokens", "8",
+        "--repeats", "2", "--slo", "ttft_ms=60000,tpot_ms=60000", "--output-dir", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    # The exact command and every parameter, to rerun it.
+    assert report["command"] == shlex.join(["phasescope", *command[3:]])
+    assert report["parameters"]["repeats"] == 2
+    assert report["parameters"]["slo"] == {"ttft_ms": 60000.0, "tpot_ms": 60000.0}
+    assert [(p["load"], p["value"], p["repeats"]) for p in report["points"]] == [
+        ("concurrency", 1.0, 2),
+        ("rate", 4.0, 2),
+    ]
+    for point in report["points"]:
+        # Goodput: every request meets objectives this loose.
+        assert point["goodput_ratio"] == 1.0
+        assert point["request_goodput"] == point["request_throughput"] > 0
+        assert point["output_goodput"] == point["output_throughput"] > 0
+        # Two runs with their own seeds; the point is their median, with min and max.
+        seeds = [run["seed"] for run in point["runs"]]
+        assert len(set(seeds)) == 2
+        throughputs = [run["output_throughput"] for run in point["runs"]]
+        assert point["spread"]["output_throughput"] == {
+            "median": sum(throughputs) / 2, "min": min(throughputs), "max": max(throughputs)}  # fmt: skip
+        assert set(point["spread"]["goodput_ratio"]) == {"median", "min", "max"}
+        for run in point["runs"]:
+            assert len(run["records"]) == 3
+            assert all(record["met_slo"] for record in run["records"])
+            assert "over_saturated" in run["saturation"]
+        # The hardware at the point, from the server's /metrics.
+        assert 0 < point["server_device_bandwidth_saturation"] <= 1
+        assert 0 < point["server_device_compute_utilization"] < 1
+        assert 0 < point["server_device_compute_idleness"] <= 1
+        assert point["server_decode_verdict"] in VERDICTS
+        assert point["server_prefill_verdict"] in VERDICTS
+        assert point["server_gauge_samples"] >= 1
+        assert 0 <= point["server_kv_cache_usage_ratio"] <= point["server_max_kv_cache_usage_ratio"] <= 1
+        assert 0 <= point["server_queue_wait_ratio"] <= 1
+        assert 0 <= point["server_headroom_ratio"] <= 1
+        assert point["server_headroom_limit"] in ("bandwidth", "compute", "kv_cache", "queue")
+        assert set(point["spread"]["server_device_bandwidth_saturation"]) == {"median", "min", "max"}
+    assert report["plans"] == [{"target": "phasescope", "mode": "sweep", "saturation_stop": None}]
+    markdown = (out / "report.md").read_text()
+    assert report["command"] in markdown
+    assert "The hardware at each point" in markdown
+    for name in ("throughput.png", "pareto.png", "latency.png", "goodput.png", "hardware.png", "phases.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
