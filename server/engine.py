@@ -23,9 +23,6 @@ class ModelDescription:
     model_path: str
     max_context_length: int
     dtype: str
-    parameter_count: int
-    weight_bytes: int
-    kv_cache_bytes_per_token: int
     vocab_size: int
     engine: str
     engine_version: str
