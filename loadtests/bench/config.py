@@ -23,7 +23,7 @@ from loadtests.bench.workload import (
     read_dataset,
 )
 
-LOADS = ("concurrency", "rate")
+LOADS = ("concurrency", "rate", "burst")
 APIS = ("prompt", "chat")
 
 
@@ -46,6 +46,8 @@ class BenchConfig:
     workload: WorkloadSpec
     api: str
     """`prompt` (a completion) or `chat` (the prompt as one user message, through the chat template)."""
+    token_ids_only: bool = False
+    """phasescope's requests ask for token ids without text (the other targets always detokenise)."""
     slo: dict[str, float] = field(default_factory=dict)
     """Objectives in milliseconds, any of ttft_ms, tpot_ms, e2e_ms."""
     sla_search: str | None = None
@@ -83,6 +85,7 @@ class BenchConfig:
             "prompts_file": self.prompts_file,
             "prompts_file_sha256": self.prompts_file_sha256,
             "api": self.api,
+            "token_ids_only": self.token_ids_only,
             "slo": self.slo,
             "sla_search": self.sla_search,
             "goodput_target": self.goodput_target,
@@ -146,10 +149,15 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
     else:
         points = [("concurrency", c) for c in _values(args.concurrency, "--concurrency", int)]
         points += [("rate", r) for r in _values(args.rates, "--rates", float)]
+        points += [("burst", b) for b in _values(getattr(args, "bursts", ""), "--bursts", int)]
         if not points:
-            raise ConfigError("give at least one --concurrency or --rates point, or --sla-search")
+            raise ConfigError("give at least one --concurrency, --rates or --bursts point, or --sla-search")
     if args.metrics_url and not args.address:
         raise ConfigError("--metrics-url goes with --address (a server started here is read on its own)")
+    if getattr(args, "tiny_model", False) and args.model:
+        raise ConfigError("--tiny-model and --model name two models: give one")
+    if getattr(args, "tiny_model", False) and args.address:
+        raise ConfigError("--tiny-model starts the servers it measures; --address serves its own model")
     argv = sys.argv[1:] if argv is None else argv
     return BenchConfig(
         points=tuple(points),
@@ -159,6 +167,7 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         seed=args.seed,
         workload=WorkloadSpec(prompt_tokens, output_tokens, args.shared_prefix_tokens, dataset, args.seed),
         api=args.api,
+        token_ids_only=getattr(args, "token_ids_only", False),
         slo=slo,
         sla_search=args.sla_search,
         goodput_target=args.goodput_target,

@@ -25,7 +25,11 @@ class EngineSettings:
 
 
 def start_phasescope(
-    settings: EngineSettings, log: Path, extra_args: tuple[str, ...] = (), api: str = "prompt"
+    settings: EngineSettings,
+    log: Path,
+    extra_args: tuple[str, ...] = (),
+    api: str = "prompt",
+    token_ids_only: bool = False,
 ) -> tuple[PhasescopeProcess, PhasescopeTarget]:
     server = PhasescopeProcess(
         [
@@ -37,7 +41,7 @@ def start_phasescope(
         log,
     )  # fmt: skip
     server.wait_serving()
-    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid, api)
+    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid, api, token_ids_only)
 
 
 def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tuple[ManagedProcess, OpenAITarget]:
@@ -75,7 +79,11 @@ def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcess
 
 def default_settings(args: argparse.Namespace) -> EngineSettings:
     model = args.model
-    if not model:
+    if getattr(args, "tiny_model", False):
+        from loadtests.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+
+        model, name = str(ensure_tiny_model()), TINY_MODEL_NAME
+    elif not model:
         from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 
         model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME

@@ -42,12 +42,19 @@ async def _one(target: Target, request: BenchRequest) -> RequestRecord:
 
 async def run_point(
     target: Target, requests: list[BenchRequest], *, concurrency: int | None, rate: float | None, seed: int,
-    progress: Callable[[], None],
+    progress: Callable[[], None], burst: int | None = None,
 ) -> tuple[list[RequestRecord], float]:  # fmt: skip
-    """Closed loop at `concurrency`, or Poisson arrivals at `rate` requests/s; the records and the duration."""
+    """Closed loop at `concurrency`, Poisson arrivals at `rate` requests/s, or waves of `burst` requests sent
+    at once (the next wave when the last request of the previous one ends); the records and the duration."""
     started = time.perf_counter()
     records: list[RequestRecord] = []
-    if concurrency is not None:
+    if burst is not None:
+        for first in range(0, len(requests), burst):
+            wave = requests[first : first + burst]
+            records.extend(await asyncio.gather(*(_one(target, request) for request in wave)))
+            for _ in wave:
+                progress()
+    elif concurrency is not None:
         queue = list(reversed(requests))
 
         async def client() -> None:
@@ -115,6 +122,7 @@ async def run_once(
             records, duration = await run_point(
                 target, requests, concurrency=int(value) if load == "concurrency" else None,
                 rate=value if load == "rate" else None, seed=seed, progress=lambda: bar.update(1),
+                burst=int(value) if load == "burst" else None,
             )  # fmt: skip
     cpu_after = target.frontend_cpu_seconds()
     run: dict[str, Any] = {"repeat": repeat, "seed": seed, **summarize(records, duration)}

@@ -46,8 +46,8 @@ def _line(axes: Any, rows: list[dict[str, Any]], name: str, label: str, style: s
 
 
 def _load_label(loads: set[str]) -> str:
-    return {"concurrency": "concurrency", "rate": "Poisson rate (requests/s)"}.get(
-        next(iter(loads)) if len(loads) == 1 else "", "load (concurrency or requests/s)"
+    return {"concurrency": "concurrency", "rate": "Poisson rate (requests/s)", "burst": "requests per burst"}.get(
+        next(iter(loads)) if len(loads) == 1 else "", "load (concurrency, requests/s or burst size)"
     )
 
 

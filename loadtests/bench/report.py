@@ -35,7 +35,7 @@ def _table(header: list[str], rows: list[list[str]]) -> list[str]:
 def plan_lines(results: dict[str, Any]) -> list[str]:
     """One sentence per target: the search's answer with its bracket and spread, or where a sweep stopped."""
     lines = []
-    unit = {"rate": "requests/s", "concurrency": "concurrent requests"}
+    unit = {"rate": "requests/s", "concurrency": "concurrent requests", "burst": "requests per burst"}
     for plan in results.get("plans", []):
         target = plan["target"]
         if plan.get("mode") == "search":

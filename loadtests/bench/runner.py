@@ -49,10 +49,12 @@ async def _targets(
         stack.push_async_callback(openai.close)
         targets.append(openai)
     if config.address:
-        ours = PhasescopeTarget(config.address, config.metrics_url, None, config.api)
+        ours = PhasescopeTarget(config.address, config.metrics_url, None, config.api, config.token_ids_only)
     else:
         assert settings is not None
-        phasescope, ours = start_phasescope(settings, config.output_dir / "phasescope.log", api=config.api)
+        phasescope, ours = start_phasescope(
+            settings, config.output_dir / "phasescope.log", api=config.api, token_ids_only=config.token_ids_only
+        )
         stack.callback(phasescope.stop)
     stack.push_async_callback(ours.close)
     targets.append(ours)

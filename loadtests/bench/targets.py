@@ -37,7 +37,9 @@ def _cpu(pid: int | None) -> float | None:
 
 
 class PhasescopeTarget:
-    def __init__(self, address: str, metrics_url: str | None, pid: int | None, api: str = "prompt") -> None:
+    def __init__(
+        self, address: str, metrics_url: str | None, pid: int | None, api: str = "prompt", token_ids_only: bool = False
+    ) -> None:
         import grpc
 
         from phasescope.v1 import inference_pb2_grpc as pb_grpc
@@ -45,6 +47,7 @@ class PhasescopeTarget:
         self.name = "phasescope"
         self.api = api
         self.address = address
+        self.token_ids_only = token_ids_only
         self.metrics_url = metrics_url
         self._pid = pid
         self._channel = grpc.aio.insecure_channel(address)
@@ -55,7 +58,14 @@ class PhasescopeTarget:
 
         text = {"chat": [("user", request.prompt)]} if self.api == "chat" else {"prompt": request.prompt}
         call: Any = self._stub.GenerateStream(
-            build_request(**text, max_tokens=request.max_tokens, ignore_eos=True, temperature=0.0), timeout=600
+            build_request(
+                **text,
+                max_tokens=request.max_tokens,
+                ignore_eos=True,
+                temperature=0.0,
+                token_ids_only=self.token_ids_only,
+            ),
+            timeout=600,
         )
         async for chunk in call:
             now = time.perf_counter()

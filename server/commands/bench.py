@@ -27,6 +27,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="1,4,16", help="closed-loop points, comma-separated (default 1,4,16)")
     load.add_argument("--rates", default="", help="Poisson arrival rates in requests/s, comma-separated")
+    load.add_argument(
+        "--bursts",
+        default="",
+        help="burst points: waves of N requests sent at once, the next wave when the previous one has ended "
+        "(TTFT under a burst), comma-separated",
+    )
     load.add_argument("--requests", type=int, default=32, help="measured requests per run")
     load.add_argument("--warmup", type=int, default=4, help="requests before each point, excluded")
     load.add_argument(
@@ -69,6 +75,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         choices=("prompt", "chat"),
         default="prompt",
         help="send a completion prompt, or the prompt as one chat user message",
+    )
+    workload.add_argument(
+        "--token-ids-only",
+        action="store_true",
+        help="phasescope's requests ask for token ids without text (GenerateRequest.token_ids_only); "
+        "the other targets still detokenise",
     )
     workload.add_argument("--seed", type=int, default=0)
 
@@ -114,6 +126,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="also run in-process AsyncLLM and vLLM's OpenAI server (all three started at once)",
     )
     target.add_argument("--model", default="", help="model folder (default: the embedded default)")
+    target.add_argument(
+        "--tiny-model",
+        action="store_true",
+        help="a 2-layer random-weight Llama with the default tokenizer, built once and cached: the engine "
+        "streams thousands of tokens/s, so the front end's cost shows as it would on an accelerator",
+    )
     target.add_argument("--dtype", default="float32")
     target.add_argument("--max-model-len", type=int, default=2048)
     target.add_argument("--kv-cache-gib", type=float, default=2.0)

@@ -96,6 +96,29 @@ def test_an_sla_search_on_concurrency_brackets_each_targets_limit(tmp_path: Path
     assert all("search_passed" in point for point in bench.points)
 
 
+def test_a_burst_point_sends_whole_waves_at_once_and_the_next_only_after_the_last_ends(tmp_path: Path) -> None:
+    class Waves(ScriptedTarget):
+        def __init__(self) -> None:
+            super().__init__("w", [])
+            self.open = 0
+            self.opened_with: list[int] = []  # streams already open as each request starts
+
+        async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+            self.opened_with.append(self.open)
+            self.open += 1
+            await asyncio.sleep(0.001 * (request.index % 3))  # a wave's requests end at different times
+            await super().stream(request, record)
+            self.open -= 1
+
+    target = Waves()
+    bench = Bench(config(tmp_path, "--concurrency", "", "--bursts", "4", "--requests", "10"), [target])
+    asyncio.run(bench.sweep())
+    # Waves of 4, 4 and 2: each starts with nothing open, and all of a wave start before any of it ends.
+    assert target.opened_with == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
+    point = bench.points[0]
+    assert (point["load"], point["value"], point["completed"]) == ("burst", 4.0, 10)
+
+
 def test_a_rate_sweep_stops_at_the_first_over_saturated_point(tmp_path: Path) -> None:
     class Backlogged(ScriptedTarget):
         """Finishes one request every 50 ms whatever the rate: capacity 20 requests/s."""
@@ -130,6 +153,8 @@ def test_a_rate_sweep_stops_at_the_first_over_saturated_point(tmp_path: Path) ->
         (["--max-tokens", "uniform:9:1"], "phasescope bench: --max-tokens: uniform needs 1 ≤ low ≤ high"),
         (["--concurrency", "0"], "phasescope bench: --concurrency: every value must be positive"),
         (["--repeats", "0"], "phasescope bench: --repeats must be ≥ 1"),
+        (["--tiny-model", "--model", "/m"], "phasescope bench: --tiny-model and --model name two models"),
+        (["--tiny-model", "--address", "127.0.0.1:1"], "phasescope bench: --tiny-model starts the servers"),
     ],
 )
 def test_bad_flags_exit_2_with_one_line(
