@@ -63,10 +63,13 @@ def build_request(
     chat: Sequence[tuple[str, str]] | None = None,
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
+    token_ids_only: bool = False,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values; `sampling` takes SamplingParams' field names."""
-    request = pb.GenerateRequest(request_id=request_id, sampling=pb.SamplingParams(**sampling))
+    request = pb.GenerateRequest(
+        request_id=request_id, sampling=pb.SamplingParams(**sampling), token_ids_only=token_ids_only
+    )
     if prompt is not None:
         request.prompt = prompt
     if chat is not None:

@@ -288,7 +288,9 @@ class InferenceServicer:
         try:
             prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
-            sampling = build_sampling(request.sampling, len(prompt_token_ids), engine.limits)
+            sampling = build_sampling(
+                request.sampling, len(prompt_token_ids), engine.limits, token_ids_only=request.token_ids_only
+            )
             # The engine's id is always ours: client ids may collide. Nothing reaches the
             # engine until the steps are iterated; sampling it refuses raises here.
             engine_request_id = uuid.uuid4().hex

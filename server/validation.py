@@ -68,6 +68,8 @@ class SamplingSpec:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    detokenize: bool = True
+    """False: the engine produces token ids only (GenerateRequest.token_ids_only); every text is empty."""
 
 
 class UndecodableRequest:
@@ -236,8 +238,11 @@ def _finite(value: float, field: str) -> float:
     return value
 
 
-def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits) -> SamplingSpec:
-    """Validate the sampling message against the prompt's length and the model's limits."""
+def build_sampling(
+    sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits, *, token_ids_only: bool = False
+) -> SamplingSpec:
+    """Validate the sampling message against the prompt's length and the model's limits
+    (`token_ids_only`: the request's GenerateRequest.token_ids_only)."""
     room = limits.max_model_len - prompt_tokens
     if sampling.HasField("max_tokens"):
         max_tokens = sampling.max_tokens
@@ -293,6 +298,12 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
     if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
         raise InvalidRequestError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     check_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits)
+    if token_ids_only and sampling.stop:
+        raise InvalidRequestError(
+            "token_ids_only",
+            "stop strings are matched against text, which token_ids_only skips: drop sampling.stop "
+            "or use sampling.stop_token_ids",
+        )
 
     return SamplingSpec(
         max_tokens=max_tokens,
@@ -307,4 +318,5 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         frequency_penalty=frequency,
         repetition_penalty=repetition,
         ignore_eos=sampling.ignore_eos,
+        detokenize=not token_ids_only,
     )

@@ -23,6 +23,11 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--token-ids-only",
+        action="store_true",
+        help="ask for token ids without text (the engine skips detokenising); prints the ids",
+    )
     return parser
 
 
@@ -46,16 +51,17 @@ def cmd(args: argparse.Namespace) -> int:
     for name in ("temperature", "top_p", "top_k", "seed"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
-    if args.chat:
-        request = build_request(chat=[("user", args.text)], **sampling)
-    else:
-        request = build_request(prompt=args.text, **sampling)
+    text: dict[str, Any] = {"chat": [("user", args.text)]} if args.chat else {"prompt": args.text}
+    request = build_request(**text, token_ids_only=args.token_ids_only, **sampling)
     try:
         with PhasescopeClient(args.address, timeout_seconds=args.timeout, credentials=credentials(args)) as client:
             last: pb.GenerateStreamResponse | None = None
             traceparent, trace_id = new_traceparent()
             for chunk in client.generate_stream(request, traceparent=traceparent):
-                print(chunk.text, end="", flush=True)
+                if args.token_ids_only:
+                    print(" ".join(map(str, chunk.token_ids)), end=" " if chunk.token_ids else "", flush=True)
+                else:
+                    print(chunk.text, end="", flush=True)
                 last = chunk
     except grpc.RpcError as exc:
         print(f"\nphasescope generate: {exc.code().name}: {exc.details()}", file=sys.stderr)

@@ -40,6 +40,30 @@ def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: 
     assert chunks[-1].usage.completion_tokens == len(unary.token_ids)
 
 
+def test_token_ids_only_streams_the_same_ids_without_text(client: PhasescopeClient) -> None:
+    with_text = build_request(chat=CAPITAL, temperature=0.0, max_tokens=16, ignore_eos=True)
+    ids_only = build_request(chat=CAPITAL, temperature=0.0, max_tokens=16, ignore_eos=True, token_ids_only=True)
+    expected = client.generate(with_text)
+    chunks = list(client.generate_stream(ids_only))
+    assert expected.text
+    assert [t for chunk in chunks for t in chunk.token_ids] == list(expected.token_ids)
+    assert all(chunk.text == "" for chunk in chunks)
+    assert len(chunks) > 1
+    assert chunks[-1].usage.completion_tokens == 16
+    # A stop token id still ends it; a stop string, which needs text, is refused by name.
+    stopped = client.generate(
+        build_request(
+            chat=CAPITAL, temperature=0.0, max_tokens=16, token_ids_only=True, stop_token_ids=[expected.token_ids[2]]
+        )  # fmt: skip
+    )
+    assert list(stopped.token_ids) == list(expected.token_ids[:3])
+    assert stopped.finish_reason == pb.FINISH_REASON_STOP
+    with pytest.raises(grpc.RpcError) as refused:
+        client.generate(build_request(chat=CAPITAL, max_tokens=4, token_ids_only=True, stop=["Paris"]))
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert "token_ids_only" in (refused.value.details() or "")
+
+
 def test_timings_come_from_the_engine_and_add_up(client: PhasescopeClient) -> None:
     response = client.generate(build_request(prompt="Count to twenty:", max_tokens=16, ignore_eos=True))
     t = response.timings

@@ -242,9 +242,17 @@ class GenerateRequest(_message.Message):
     CHAT_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
+    TOKEN_IDS_ONLY_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Chosen by the client for its own correlation; the server makes one when empty."""
     prompt: _builtins.str
+    token_ids_only: _builtins.bool
+    """Stream token ids only: every chunk's text is empty and the engine skips
+    detokenisation (for routers and clients that detokenise themselves). The
+    ids are those of the same request with text. Stop strings need text, so a
+    request with `sampling.stop` and this set is refused (INVALID_ARGUMENT);
+    `stop_token_ids` work.
+    """
     @_builtins.property
     def chat(self) -> Global___Chat:
         """Rendered with the model's chat template."""
@@ -261,10 +269,11 @@ class GenerateRequest(_message.Message):
         chat: Global___Chat | None = ...,
         token_ids: Global___TokenIds | None = ...,
         sampling: Global___SamplingParams | None = ...,
+        token_ids_only: _builtins.bool = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "token_ids_only", b"token_ids_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

@@ -142,6 +142,17 @@ def test_bad_sampling_names_its_field(values: dict[str, object], field: str) -> 
     assert str(caught.value).startswith(field + ":")
 
 
+def test_token_ids_only_turns_detokenisation_off_and_refuses_stop_strings() -> None:
+    assert build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS).detokenize
+    spec = build_sampling(sampling(max_tokens=4, stop_token_ids=[5]), prompt_tokens=10, limits=LIMITS,
+                          token_ids_only=True)  # fmt: skip
+    assert not spec.detokenize
+    assert spec.stop_token_ids == (5,)
+    with pytest.raises(InvalidRequestError) as caught:
+        build_sampling(sampling(max_tokens=4, stop=["."]), prompt_tokens=10, limits=LIMITS, token_ids_only=True)
+    assert caught.value.field == "token_ids_only"
+
+
 def test_unset_sampling_takes_defaults_and_fills_the_context() -> None:
     spec = build_sampling(pb.SamplingParams(), prompt_tokens=10, limits=LIMITS)
     assert spec.max_tokens == 90
