@@ -29,6 +29,7 @@ class PrometheusRequestObserver:
     def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
         """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
         its expression evaluates before the first request has missed or even run."""
+        self._decode_tokens: dict[str, Counter] = {}
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             "Time a request spent in each stage, on one monotonic clock: frontend = hand-off to the engine - "
@@ -142,7 +143,11 @@ class PrometheusRequestObserver:
             )
 
     def tokens_generated(self, model: str, count: int) -> None:
-        self.tokens.labels(model, "decode").inc(count)
+        # Called for every chunk of every stream: the labelled child is looked up once per model.
+        child = self._decode_tokens.get(model)
+        if child is None:
+            child = self._decode_tokens[model] = self.tokens.labels(model, "decode")
+        child.inc(count)
 
     def request_finished(self, record: PhaseRecord) -> None:
         model = record.model

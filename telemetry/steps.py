@@ -453,6 +453,8 @@ class Interference:
         return Interference(self.stalled_seconds - other.stalled_seconds, self.extra_seconds - other.extra_seconds)
 
 
+_NO_INTERFERENCE = Interference()
+
 DECODE_REFERENCE_SMOOTHING = 0.2
 """Weight of the newest decode-only step in the per-batch-size reference (an exponential average)."""
 
@@ -500,5 +502,6 @@ class InterferenceLedger:
             )
 
     def read(self, engine: int) -> Interference:
-        with self._lock:
-            return self._totals.get(engine, Interference())
+        """The engine's running totals; the same object until its next mixed step (read once per request
+        per output pass, so it takes no lock: `record` replaces the totals whole, never mutates them)."""
+        return self._totals.get(engine, _NO_INTERFERENCE)

@@ -77,6 +77,7 @@ class VllmEngine:
         Every engine step is reported to `steps`.
         """
         import vllm
+        import vllm.envs
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -148,6 +149,10 @@ class VllmEngine:
         except BaseException:
             llm.shutdown()
             raise
+        # vLLM reads some environment variables again for every output of every request (its
+        # iteration stats); its own engine core caches them once started, as this does for the
+        # front end until close(). Nothing changes vLLM's variables while an engine serves.
+        vllm.envs.enable_envs_cache()
         # Something in vLLM keeps this frame alive after start-up; a local
         # reference here would keep AsyncLLM alive past close() (see close()).
         del llm
@@ -202,6 +207,7 @@ class VllmEngine:
                 stop=list(spec.stop) or None,
                 stop_token_ids=list(spec.stop_token_ids) or None,
                 ignore_eos=spec.ignore_eos,
+                detokenize=spec.detokenize,
                 # Each engine step's new tokens only: the stream forwards them as they come.
                 output_kind=RequestOutputKind.DELTA,
                 **values,
@@ -223,14 +229,19 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        ledger = self._interference
         try:
+            # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
+            # rendered prompts are, instead of a second hop through its renderer's thread pool
+            # (the text was already tokenised off the loop, server.servicer.tokenize_off_loop).
             # aclosing: when our caller closes this generator, vLLM's is closed at
             # once too, and its GeneratorExit handler aborts the engine request.
             async with aclosing(
-                self._llm.generate({"prompt_token_ids": prompt_token_ids}, params, request_id)
+                self._llm.generate({"type": "token", "prompt_token_ids": prompt_token_ids}, params, request_id)
             ) as outputs:
                 engine_index = 0
                 decode_start: Interference | None = None
+                totals = interference = Interference()
                 async for output in outputs:
                     completion = output.outputs[0]
                     if completion.finish_reason == "abort":
@@ -244,12 +255,13 @@ class VllmEngine:
                         # Other requests' prefill in this request's decode: the engine's running
                         # totals, advanced in the same output pass that delivered these tokens,
                         # read at the first token and since (telemetry.steps.InterferenceLedger).
-                        interference = Interference()
                         if stats.first_token_ts > 0.0:
                             if decode_start is None:
                                 engine_index = self._engine_index(request_id)
-                                decode_start = self._interference.read(engine_index)
-                            interference = self._interference.read(engine_index) - decode_start
+                                decode_start = totals = ledger.read(engine_index)
+                            current = ledger.read(engine_index)
+                            if current is not totals:  # the totals are replaced only by a mixed step
+                                totals, interference = current, current - decode_start
                         stamps = EngineTimestamps(
                             queued_ts=stats.queued_ts,
                             scheduled_ts=stats.scheduled_ts,
@@ -300,6 +312,9 @@ class VllmEngine:
                 await handler
             llm.output_handler = None
         await asyncio.to_thread(llm.shutdown)
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # a later engine in this process reads the environment afresh
         # Drop the last reference while the interpreter is whole: AsyncLLM.__del__
         # shuts down again, and at interpreter exit that fails noisily.
         self._llm = None
