@@ -114,6 +114,8 @@ class Settings:
     """Log level: debug, info, warning, error."""
     engine_log_level: str = "warning"
     """Log level of vLLM's own loggers."""
+    event_loop: str = "auto"
+    """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
 
     @property
     def effective_metrics_host(self) -> str:
@@ -181,6 +183,8 @@ class Settings:
         for name in ("log_level", "engine_log_level"):
             if getattr(self, name).lower() not in {"debug", "info", "warning", "error", "critical"}:
                 problems.append(f"--{_flag(name)} must be debug, info, warning or error")
+        if self.event_loop not in {"auto", "uvloop", "asyncio"}:
+            problems.append(f"--event-loop must be auto, uvloop or asyncio, got {self.event_loop!r}")
         if self.model and not Path(self.model).exists() and Path(self.model).is_absolute():
             problems.append(f"--model {self.model}: no such folder")
         if problems:

@@ -36,6 +36,11 @@ def cmd(args: argparse.Namespace) -> int:
     from server.vllm_adapter.engine import configure_engine_logging
 
     configure_engine_logging(settings.engine_log_level)
-    from server.app import serve
+    from server.app import event_loop_factory, serve
 
-    return serve(settings)
+    try:
+        factory = event_loop_factory(settings.event_loop)
+    except SettingsError as exc:
+        print(f"phasescope serve: {exc}", file=sys.stderr)
+        return 2
+    return serve(settings, factory)

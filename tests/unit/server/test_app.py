@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 import threading
 
 import grpc
+import pytest
 from prometheus_client import CollectorRegistry
 
-from server.app import Server
+from server.app import Server, event_loop_factory
 from server.client import AsyncPhasescopeClient, build_request
-from server.config import Settings
+from server.config import Settings, SettingsError
 from support.fake_engine import ScriptedEngine
 from telemetry.steps import StepForwarder
 
@@ -58,7 +60,10 @@ async def wait_for_health(client: AsyncPhasescopeClient, wanted: str) -> list[st
     raise AssertionError(f"health never said {wanted}: {seen}")
 
 
-def test_health_follows_the_engine_then_a_drain_stops_it_cleanly() -> None:
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")  # installed with vLLM: the served default
     factory = Factory()
 
     async def scenario() -> tuple[list[str], str, int, grpc.StatusCode]:
@@ -80,7 +85,8 @@ def test_health_follows_the_engine_then_a_drain_stops_it_cleanly() -> None:
             code = await running
         return history, answer.text, code, early
 
-    history, text, code, early = asyncio.run(scenario())
+    with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+        history, text, code, early = runner.run(scenario())
     assert early is grpc.StatusCode.UNAVAILABLE
     assert history[-1] == "SERVING"
     assert factory.engine.warmed_up
@@ -105,3 +111,16 @@ def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
     code, engine_state = asyncio.run(scenario())
     assert code == 1
     assert engine_state == "closed"
+
+
+def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert event_loop_factory("asyncio") is None
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    assert event_loop_factory("auto") is None
+    with pytest.raises(SettingsError, match="uvloop is not installed"):
+        event_loop_factory("uvloop")
+    with pytest.raises(SettingsError, match="--event-loop must be auto, uvloop or asyncio"):
+        Settings(event_loop="trio").validate()
