@@ -54,7 +54,7 @@ def test_token_ids_only_streams_the_same_ids_without_text(client: PhasescopeClie
     stopped = client.generate(
         build_request(
             chat=CAPITAL, temperature=0.0, max_tokens=16, token_ids_only=True, stop_token_ids=[expected.token_ids[2]]
-        )  # fmt: skip
+        )
     )
     assert list(stopped.token_ids) == list(expected.token_ids[:3])
     assert stopped.finish_reason == pb.FINISH_REASON_STOP
