@@ -139,3 +139,27 @@ def test_bench_sweep_with_an_slo_and_repeats_reports_goodput_spread_and_the_hard
     assert "The hardware at each point" in markdown
     for name in ("throughput.png", "pareto.png", "latency.png", "goodput.png", "hardware.png", "phases.png"):
         assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n", name
+
+
+def test_bench_tiny_model_starts_its_own_server_and_takes_bursts(tmp_path: Path) -> None:
+    out = tmp_path / "bench"
+    command = [
+        sys.executable, "-m", "server", "bench", "--tiny-model", "--concurrency", "4", "--bursts", "8",
+        "--requests", "16", "--warmup", "2", "--max-tokens", "16", "--max-num-seqs", "16", "--max-model-len", "512",
+        "--kv-cache-gib", "0.25", "--token-ids-only", "--no-token-times", "--output-dir", str(out),
+    ]  # fmt: skip
+    result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
+    assert result.returncode == 0, result.stderr[-3000:]
+    report = json.loads((out / "bench.json").read_text())
+    # The server it started served the tiny model, built (or reused) in the cache.
+    assert report["settings"]["served_name"] == "tiny-llama-random"
+    assert report["parameters"]["token_ids_only"] is True
+    assert [(p["load"], p["value"]) for p in report["points"]] == [("concurrency", 4.0), ("burst", 8.0)]
+    for point in report["points"]:
+        assert (point["completed"], point["errors"], point["total_output_tokens"]) == (16, 0, 256)
+        assert point["frontend_cpu_seconds_per_1k_tokens"] > 0
+    # Two waves of eight: each wave's requests are all sent before any of them ends.
+    records = sorted(report["points"][1]["runs"][0]["records"], key=lambda r: r["sent"])
+    first, second = records[:8], records[8:]
+    assert max(r["sent"] for r in first) < min(r["finished"] for r in first)
+    assert min(r["sent"] for r in second) >= max(r["finished"] for r in first)
