@@ -11,7 +11,8 @@ Each round is one closed-loop run of `--requests` seeded requests (the same prom
 B in a round). Printed per round and as medians: output tokens/s, TPOT p50, TTFT p50 and the
 front-end process's CPU seconds per 1,000 streamed tokens (user + system of the serving
 process only, not its engine core), then B ÷ A. `--a-env`/`--b-env` set environment variables
-of one server (e.g. LD_PRELOAD). Raw rounds go to --output.
+of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make one side's requests
+ask for token ids without text. Raw rounds go to --output.
 """
 
 from __future__ import annotations
@@ -72,7 +73,9 @@ async def _round(
 
 async def _measure(servers: dict[str, PhasescopeProcess], args: argparse.Namespace) -> list[dict[str, Any]]:
     spec = WorkloadSpec(LengthDistribution.parse(args.prompt_tokens), LengthDistribution.parse(str(args.max_tokens)))
-    targets = {name: PhasescopeTarget(server.address, None, server.process.pid) for name, server in servers.items()}
+    ids_only = {"a": args.a_token_ids_only, "b": args.b_token_ids_only}
+    targets = {name: PhasescopeTarget(server.address, None, server.process.pid, token_ids_only=ids_only[name])
+               for name, server in servers.items()}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     try:
         warm = workload(spec, 1, 16)
@@ -104,6 +107,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-args", default="", help="serve flags of configuration B")
     parser.add_argument("--a-env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE")
+    parser.add_argument("--a-token-ids-only", action="store_true", help="A's requests ask for token ids only")
+    parser.add_argument("--b-token-ids-only", action="store_true", help="B's requests ask for token ids only")
     parser.add_argument("--tiny-model", action="store_true", help="serve loadtests.tiny_model (else the default)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--bursts", type=int, default=0, help="waves of N at once instead of a closed loop")
@@ -136,8 +141,10 @@ def main(argv: list[str] | None = None) -> int:
         name: {figure: statistics.median(r[figure] for r in rounds if r["config"] == name) for figure in FIGURES}
         for name in ("a", "b")
     }
-    print(f"A: {args.a_args or '(defaults)'} {' '.join(args.a_env)}")
-    print(f"B: {args.b_args or '(defaults)'} {' '.join(args.b_env)}")
+    for name in ("a", "b"):
+        extra, env = getattr(args, f"{name}_args"), getattr(args, f"{name}_env")
+        ids = " (token ids only)" if getattr(args, f"{name}_token_ids_only") else ""
+        print(f"{name.upper()}: {extra or '(defaults)'} {' '.join(env)}{ids}")
     for figure in FIGURES:
         a, b = medians["a"][figure], medians["b"][figure]
         print(f"{figure:>38}: A {a:10.4f}  B {b:10.4f}  B ÷ A {b / a if a else float('nan'):.3f}")
