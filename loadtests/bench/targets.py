@@ -91,7 +91,12 @@ class OpenAITarget:
         self._url = f"{base_url}/v1/chat/completions" if api == "chat" else f"{base_url}/v1/completions"
         self._model = model
         self._pid = pid
-        self._session = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600))
+        # No cap on connections (aiohttp's default of 100 would hold a concurrency-128 point to 100
+        # streams), and idle ones dropped before uvicorn's 5 s keep-alive closes them: reusing a
+        # connection the server already closed fails the request (ServerDisconnectedError), which
+        # showed as errors in the first run of every point after the target sat idle.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
         text: dict[str, Any] = (
