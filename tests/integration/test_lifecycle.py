@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes.util
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -157,3 +158,15 @@ def test_sigterm_drains_in_flight_requests_then_stops(small_server: ServerProces
     assert in_flight.chunks[-1].finish_reason == pb.FINISH_REASON_LENGTH
     assert in_flight.chunks[-1].usage.completion_tokens == 60
     assert small_server.process.wait(timeout=60) == 0
+
+
+def test_the_server_and_its_engine_processes_run_on_tcmalloc(server: ServerProcess) -> None:
+    # make setup installs Debian's libtcmalloc-minimal4; phasescope serve re-executes itself with it preloaded.
+    assert ctypes.util.find_library("tcmalloc_minimal"), "libtcmalloc-minimal4 is not installed: run make setup"
+    front = psutil.Process(server.process.pid)
+    processes = [front, *front.children(recursive=True)]
+    assert len(processes) >= 2  # the front end and at least its engine core
+    for process in processes:
+        assert any("libtcmalloc" in region.path for region in process.memory_maps()), process.name()
+    # vLLM's CPU worker warns when tcmalloc is missing; it has nothing to warn about.
+    assert "libtcmalloc is not found" not in server.log_path.read_text(errors="replace")
