@@ -64,11 +64,15 @@ def build_request(
     token_ids: Sequence[int] | None = None,
     request_id: str = "",
     token_ids_only: bool = False,
+    stream_interval: int = 0,
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values; `sampling` takes SamplingParams' field names."""
     request = pb.GenerateRequest(
-        request_id=request_id, sampling=pb.SamplingParams(**sampling), token_ids_only=token_ids_only
+        request_id=request_id,
+        sampling=pb.SamplingParams(**sampling),
+        token_ids_only=token_ids_only,
+        stream_interval=stream_interval,
     )
     if prompt is not None:
         request.prompt = prompt

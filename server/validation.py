@@ -70,6 +70,8 @@ class SamplingSpec:
     ignore_eos: bool = False
     detokenize: bool = True
     """False: the engine produces token ids only (GenerateRequest.token_ids_only); every text is empty."""
+    stream_interval: int | None = None
+    """Tokens per streamed chunk (GenerateRequest.stream_interval); None: the server's."""
 
 
 class UndecodableRequest:
@@ -239,7 +241,12 @@ def _finite(value: float, field: str) -> float:
 
 
 def build_sampling(
-    sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits, *, token_ids_only: bool = False
+    sampling: pb.SamplingParams,
+    prompt_tokens: int,
+    limits: ModelLimits,
+    *,
+    token_ids_only: bool = False,
+    stream_interval: int = 0,
 ) -> SamplingSpec:
     """Validate the sampling message against the prompt's length and the model's limits
     (`token_ids_only`: the request's GenerateRequest.token_ids_only)."""
@@ -319,4 +326,5 @@ def build_sampling(
         repetition_penalty=repetition,
         ignore_eos=sampling.ignore_eos,
         detokenize=not token_ids_only,
+        stream_interval=stream_interval or None,
     )

@@ -154,6 +154,8 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
             raise ConfigError("give at least one --concurrency, --rates or --bursts point, or --sla-search")
     if args.metrics_url and not args.address:
         raise ConfigError("--metrics-url goes with --address (a server started here is read on its own)")
+    if getattr(args, "stream_interval", 1) < 1:
+        raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     if getattr(args, "tiny_model", False) and args.model:
         raise ConfigError("--tiny-model and --model name two models: give one")
     if getattr(args, "tiny_model", False) and args.address:

@@ -22,6 +22,8 @@ class EngineSettings:
     max_model_len: int
     kv_cache_gib: float
     max_num_seqs: int
+    stream_interval: int = 1
+    """Tokens per streamed chunk, on every target (vLLM's stream_interval)."""
 
 
 def start_phasescope(
@@ -36,7 +38,7 @@ def start_phasescope(
             "--enforce-eager", "--model", settings.model, "--served-model-name", settings.served_name,
             "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
             "--kv-cache-gib", str(settings.kv_cache_gib), "--max-concurrent-requests", str(settings.max_num_seqs),
-            "--max-queued-requests", "4096", *extra_args,
+            "--max-queued-requests", "4096", "--stream-interval", str(settings.stream_interval), *extra_args,
         ],
         log,
     )  # fmt: skip
@@ -52,6 +54,7 @@ def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tu
         "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
+        "--stream-interval", str(settings.stream_interval),
     ]  # fmt: skip
     server = ManagedProcess(command, out / "vllm-openai.log", env={"VLLM_LOGGING_LEVEL": "WARNING"})
     base = f"http://127.0.0.1:{port}"
@@ -73,6 +76,7 @@ def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcess
         model=settings.model, served_model_name=settings.served_name, dtype=settings.dtype,  # type: ignore[arg-type]  # vLLM's dtype is a Literal; ours is checked by vLLM
         max_model_len=settings.max_model_len, enforce_eager=True, max_num_seqs=settings.max_num_seqs,
         kv_cache_memory_bytes=int(settings.kv_cache_gib * 2**30), disable_log_stats=True,
+        stream_interval=settings.stream_interval,
     )  # fmt: skip
     return InProcessTarget(AsyncLLM.from_engine_args(args), api)
 
@@ -89,4 +93,5 @@ def default_settings(args: argparse.Namespace) -> EngineSettings:
         model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     else:
         name = Path(model.rstrip("/")).name
-    return EngineSettings(model, name, args.dtype, args.max_model_len, args.kv_cache_gib, args.max_num_seqs)
+    return EngineSettings(model, name, args.dtype, args.max_model_len, args.kv_cache_gib, args.max_num_seqs,
+                          getattr(args, "stream_interval", 1))  # fmt: skip

@@ -92,10 +92,11 @@ class OpenAITarget:
         self._model = model
         self._pid = pid
         # No cap on connections (aiohttp's default of 100 would hold a concurrency-128 point to 100
-        # streams), and idle ones dropped before uvicorn's 5 s keep-alive closes them: reusing a
-        # connection the server already closed fails the request (ServerDisconnectedError), which
-        # showed as errors in the first run of every point after the target sat idle.
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=2.0)
+        # streams), and a fresh connection per request: reusing kept-alive ones failed requests with
+        # ServerDisconnectedError / "Can not write request body" under load on this machine, even
+        # with idle ones dropped before uvicorn's 5 s keep-alive. A loopback connect costs far less
+        # than a streamed request.
+        connector = aiohttp.TCPConnector(limit=0, force_close=True)
         self._session = aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=600))
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None:

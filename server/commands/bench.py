@@ -136,6 +136,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     target.add_argument("--max-model-len", type=int, default=2048)
     target.add_argument("--kv-cache-gib", type=float, default=2.0)
     target.add_argument("--max-num-seqs", type=int, default=64)
+    target.add_argument(
+        "--stream-interval",
+        type=int,
+        default=1,
+        help="tokens per streamed chunk on every target started here (vLLM's stream_interval; default 1)",
+    )
 
     output = parser.add_argument_group("output")
     output.add_argument(

@@ -103,6 +103,7 @@ class VllmEngine:
             max_model_len=settings.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
             enforce_eager=settings.enforce_eager,
             max_num_seqs=settings.max_concurrent_requests,
+            stream_interval=settings.stream_interval,
             tensor_parallel_size=settings.tensor_parallel_size,
             pipeline_parallel_size=settings.pipeline_parallel_size,
             data_parallel_size=settings.data_parallel_size,
@@ -210,6 +211,7 @@ class VllmEngine:
                 stop_token_ids=list(spec.stop_token_ids) or None,
                 ignore_eos=spec.ignore_eos,
                 detokenize=spec.detokenize,
+                stream_interval=spec.stream_interval,
                 # Each engine step's new tokens only: the stream forwards them as they come.
                 output_kind=RequestOutputKind.DELTA,
                 **values,

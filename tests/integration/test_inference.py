@@ -64,6 +64,23 @@ def test_token_ids_only_streams_the_same_ids_without_text(client: PhasescopeClie
     assert "token_ids_only" in (refused.value.details() or "")
 
 
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(client: PhasescopeClient) -> None:
+    one_by_one = build_request(chat=CAPITAL, temperature=0.0, max_tokens=10, ignore_eos=True)
+    chunked = build_request(chat=CAPITAL, temperature=0.0, max_tokens=10, ignore_eos=True, stream_interval=4)
+    expected = [t for chunk in client.generate_stream(one_by_one) for t in chunk.token_ids]
+    for token_ids_only in (False, True):
+        chunked.token_ids_only = token_ids_only
+        chunks = list(client.generate_stream(chunked))
+        sizes = [len(chunk.token_ids) for chunk in chunks]
+        # The first token at once; then chunks of at least 4 (a slow reader may get two merged); the rest last.
+        assert sizes[0] == 1, sizes
+        assert all(size >= 4 for size in sizes[1:-1]), sizes
+        assert len(chunks) <= 4, sizes
+        assert [t for chunk in chunks for t in chunk.token_ids] == expected
+        assert chunks[-1].usage.completion_tokens == 10
+        assert chunks[-1].timings.decode_seconds > 0
+
+
 def test_timings_come_from_the_engine_and_add_up(client: PhasescopeClient) -> None:
     response = client.generate(build_request(prompt="Count to twenty:", max_tokens=16, ignore_eos=True))
     t = response.timings

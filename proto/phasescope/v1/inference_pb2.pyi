@@ -243,6 +243,7 @@ class GenerateRequest(_message.Message):
     TOKEN_IDS_FIELD_NUMBER: _builtins.int
     SAMPLING_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_ONLY_FIELD_NUMBER: _builtins.int
+    STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Chosen by the client for its own correlation; the server makes one when empty."""
     prompt: _builtins.str
@@ -252,6 +253,13 @@ class GenerateRequest(_message.Message):
     ids are those of the same request with text. Stop strings need text, so a
     request with `sampling.stop` and this set is refused (INVALID_ARGUMENT);
     `stop_token_ids` work.
+    """
+    stream_interval: _builtins.int
+    """Tokens per streamed chunk: the first token and the last are sent as soon
+    as they exist, the ones between in chunks of this many (vLLM's
+    stream_interval). Fewer messages per token at accelerator token rates,
+    at the price of coarser arrival. 0: the server's --stream-interval; a
+    request may ask for more than the server's, never fewer.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -270,10 +278,11 @@ class GenerateRequest(_message.Message):
         token_ids: Global___TokenIds | None = ...,
         sampling: Global___SamplingParams | None = ...,
         token_ids_only: _builtins.bool = ...,
+        stream_interval: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "token_ids", b"token_ids", "token_ids_only", b"token_ids_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stream_interval", b"stream_interval", "token_ids", b"token_ids", "token_ids_only", b"token_ids_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015

@@ -153,6 +153,12 @@ def test_token_ids_only_turns_detokenisation_off_and_refuses_stop_strings() -> N
     assert caught.value.field == "token_ids_only"
 
 
+def test_a_stream_interval_is_passed_on_and_0_leaves_the_servers() -> None:
+    assert build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS).stream_interval is None
+    spec = build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS, stream_interval=8)
+    assert spec.stream_interval == 8
+
+
 def test_unset_sampling_takes_defaults_and_fills_the_context() -> None:
     spec = build_sampling(pb.SamplingParams(), prompt_tokens=10, limits=LIMITS)
     assert spec.max_tokens == 90
