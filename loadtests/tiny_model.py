@@ -16,10 +16,9 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 
-from server.default_model import cache_root, ensure_default_model
+from server.default_model import build_in_place, cache_root, ensure_default_model
 
 TINY_MODEL_NAME = "tiny-llama-random"
 _FORMAT_VERSION = 1
@@ -69,16 +68,10 @@ def ensure_tiny_model() -> Path:
             return target
     except (OSError, ValueError):
         pass
-    target.parent.mkdir(parents=True, exist_ok=True)
-    # Built beside its final place and renamed in, so an interrupted build leaves nothing half-written.
-    staging = Path(tempfile.mkdtemp(prefix=f".{TINY_MODEL_NAME}-", dir=target.parent))
-    try:
+
+    def build(staging: Path) -> None:
         build_tiny_model(staging)
         (staging / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, "name": TINY_MODEL_NAME}) + "\n")
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+
+    build_in_place(target, build)
     return target

@@ -13,6 +13,7 @@ import logging
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -74,20 +75,24 @@ def ensure_default_model() -> Path:
         return target
     source = gguf_path()
     logger.info("preparing the default model %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, source, target)
+    build_in_place(target, lambda staging: _convert(source, staging))
+    logger.info("default model ready in %s", target)
+    return target
+
+
+def build_in_place(target: Path, build: Callable[[Path], None]) -> None:
+    """Run `build` into a temporary sibling of `target`, then rename it into place: an interrupted
+    build never leaves a half-written model behind."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    # Convert into a temporary sibling and rename it into place, so an
-    # interrupted conversion never leaves a half-written model behind.
-    staging = Path(tempfile.mkdtemp(prefix=f".{DEFAULT_MODEL_NAME}-", dir=target.parent))
+    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
-        _convert(source, staging)
+        build(staging)
         if target.exists():
             shutil.rmtree(target)
         staging.rename(target)
     finally:
         if staging.exists():
             shutil.rmtree(staging, ignore_errors=True)
-    logger.info("default model ready in %s", target)
-    return target
 
 
 def _convert(source: Path, destination: Path) -> None:
