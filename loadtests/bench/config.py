@@ -62,6 +62,8 @@ class BenchConfig:
     """Stop a target's rate sweep at the first over-saturated point (loadtests.bench.saturation)."""
     token_times: bool = True
     """Keep every token's arrival time in the per-request records (off: TTFT, TPOT and E2E only)."""
+    scrape_interval: float = 2.0
+    """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     compare: bool = False
     address: str | None = None
     metrics_url: str | None = None
@@ -95,6 +97,7 @@ class BenchConfig:
             "search_tolerance": self.search_tolerance,
             "saturation_stop": self.saturation_stop,
             "token_times": self.token_times,
+            "scrape_interval": self.scrape_interval,
             "compare": self.compare,
             "address": self.address,
             "metrics_url": self.metrics_url,
@@ -154,6 +157,9 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
             raise ConfigError("give at least one --concurrency, --rates or --bursts point, or --sla-search")
     if args.metrics_url and not args.address:
         raise ConfigError("--metrics-url goes with --address (a server started here is read on its own)")
+    scrape_interval = getattr(args, "scrape_interval", 2.0)
+    if not scrape_interval >= 0:
+        raise ConfigError(f"--scrape-interval must be ≥ 0 seconds, got {scrape_interval}")
     if getattr(args, "stream_interval", 1) < 1:
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
     if getattr(args, "tiny_model", False) and args.model:
@@ -179,6 +185,7 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         search_tolerance=args.search_tolerance,
         saturation_stop=args.saturation_stop,
         token_times=args.token_times,
+        scrape_interval=scrape_interval,
         compare=args.compare,
         address=args.address,
         metrics_url=args.metrics_url,

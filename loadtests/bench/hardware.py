@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import logging
 import statistics
+import urllib.request
 from dataclasses import dataclass, field
 from types import TracebackType
 from typing import Any
@@ -29,8 +30,9 @@ from telemetry.exposition import Samples, fetch_samples, sum_samples
 logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_SECONDS = 2.0
-"""How often a run reads /metrics: the gauges move with the server's 10 s window, and a read costs the
-server CPU (≈ 15 ms of its event loop on the 2-core development machine)."""
+"""How often a run reads /metrics by default (`bench --scrape-interval`): the gauges move with the server's
+10 s window, and a read costs the server CPU (≈ 15 ms on the 2-core development machine), which is why
+every target with a /metrics is read on the same cadence."""
 PHASES = ("prefill", "decode")
 
 
@@ -145,18 +147,34 @@ def gauge_view(snapshots: list[GaugeSnapshot]) -> dict[str, Any]:
     return view
 
 
-class MetricsSampler:
-    """Reads /metrics every `interval` seconds while a run lasts (in a thread: the event loop times the run)."""
+def _read_exposition(url: str, timeout: float) -> None:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        response.read()
 
-    def __init__(self, url: str, interval: float = SAMPLE_INTERVAL_SECONDS) -> None:
+
+class MetricsSampler:
+    """Reads /metrics every `interval` seconds while a run lasts (in a thread: the event loop times the run),
+    and once more as it ends; `interval` 0: only that last read.
+
+    `gauges=False` reads and discards (another server's /metrics, read on the same cadence so that every
+    server pays for its own exposition in its front-end CPU, as a Prometheus scraping all of them would).
+    """
+
+    def __init__(self, url: str, interval: float = SAMPLE_INTERVAL_SECONDS, *, gauges: bool = True) -> None:
         self._url = url
         self._interval = interval
+        self._gauges = gauges
         self._task: asyncio.Task[None] | None = None
         self.snapshots: list[GaugeSnapshot] = []
+        self.reads = 0
 
     async def _read(self) -> None:
         try:
-            self.snapshots.append(gauge_snapshot(await asyncio.to_thread(fetch_samples, self._url, 5.0)))
+            if self._gauges:
+                self.snapshots.append(gauge_snapshot(await asyncio.to_thread(fetch_samples, self._url, 5.0)))
+            else:
+                await asyncio.to_thread(_read_exposition, self._url, 5.0)
+            self.reads += 1
         except OSError as exc:  # a missed reading thins the sample, it does not stop the run
             logger.warning("reading %s failed: %s", self._url, exc)
 
@@ -166,16 +184,17 @@ class MetricsSampler:
             await self._read()
 
     async def __aenter__(self) -> MetricsSampler:
-        self._task = asyncio.create_task(self._loop())
+        if self._interval > 0:
+            self._task = asyncio.create_task(self._loop())
         return self
 
     async def __aexit__(
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        assert self._task is not None
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
         if kind is None:
             # The window that ends with the run.
             await self._read()

@@ -113,7 +113,10 @@ async def run_once(
     before = await _samples(target.metrics_url)
     cpu_before = target.frontend_cpu_seconds()
     label = f"{target.name} {load}={value:g} #{repeat + 1}"
-    sampler = MetricsSampler(target.metrics_url) if target.metrics_url else None
+    sampler = None
+    if target.scrape_url:
+        # Every server with a /metrics is read alike: its exposition's cost lands in its own front-end CPU.
+        sampler = MetricsSampler(target.scrape_url, config.scrape_interval, gauges=target.metrics_url is not None)
     with tqdm(total=len(requests), desc=label, unit="req", leave=False) as bar:
         async with contextlib.AsyncExitStack() as stack:
             if sampler:
@@ -131,6 +134,8 @@ async def run_once(
         run["frontend_cpu_seconds"] = cpu_after - cpu_before
         run["frontend_cpu_seconds_per_1k_tokens"] = (cpu_after - cpu_before) / (run["total_output_tokens"] / 1e3)
     if sampler:
+        run["metrics_reads"] = sampler.reads
+    if target.metrics_url and sampler:
         run.update(server_view(before, await _samples(target.metrics_url), duration))
         run.update(gauge_view(sampler.snapshots))
     saturation = check_saturation(records)

@@ -19,6 +19,9 @@ from loadtests.bench.workload import BenchRequest, RequestRecord
 class Target(Protocol):
     name: str
     metrics_url: str | None
+    """phasescope's /metrics: read for the server's own view of a run."""
+    scrape_url: str | None
+    """The server's /metrics, read during a run on the same cadence for every target that has one."""
 
     async def stream(self, request: BenchRequest, record: RequestRecord) -> None: ...
 
@@ -48,7 +51,7 @@ class PhasescopeTarget:
         self.api = api
         self.address = address
         self.token_ids_only = token_ids_only
-        self.metrics_url = metrics_url
+        self.metrics_url = self.scrape_url = metrics_url
         self._pid = pid
         self._channel = grpc.aio.insecure_channel(address)
         self._stub = pb_grpc.InferenceStub(self._channel)
@@ -87,6 +90,7 @@ class OpenAITarget:
 
         self.name = "vllm-openai"
         self.metrics_url: str | None = None
+        self.scrape_url: str | None = f"{base_url}/metrics"
         self.api = api
         self._url = f"{base_url}/v1/chat/completions" if api == "chat" else f"{base_url}/v1/completions"
         self._model = model
@@ -146,7 +150,9 @@ class InProcessTarget:
 
     def __init__(self, llm: Any, api: str = "prompt") -> None:
         self.name = "in-process"
+        # No server: nothing to scrape, and no front-end process to measure.
         self.metrics_url: str | None = None
+        self.scrape_url: str | None = None
         self.api = api
         self._llm = llm
 

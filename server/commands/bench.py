@@ -143,6 +143,14 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="tokens per streamed chunk on every target started here (vLLM's stream_interval; default 1)",
     )
 
+    target.add_argument(
+        "--scrape-interval",
+        type=float,
+        default=2.0,
+        help="seconds between reads of each target's /metrics during a run, phasescope's and vLLM's OpenAI "
+        "server's alike, so each pays for its own exposition (0: one read as a run ends; default 2)",
+    )
+
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output-dir",

@@ -18,6 +18,7 @@ class ScriptedTarget:
     def __init__(self, name: str, calls: list[tuple[str, str]], limit: float = 1e9) -> None:
         self.name = name
         self.metrics_url: str | None = None
+        self.scrape_url: str | None = None
         self.calls = calls
         self.limit = limit
         self.load = 0.0
@@ -167,3 +168,67 @@ def test_bad_flags_exit_2_with_one_line(
     assert captured.err.startswith(message)
     assert captured.err.count("\n") == 1
     assert not (tmp_path / "out").exists()
+
+
+class MetricsEndpoint:
+    """A loopback /metrics that counts its reads."""
+
+    def __init__(self) -> None:
+        import http.server
+        import threading
+
+        endpoint = self
+        self.reads = 0
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                endpoint.reads += 1
+                body = b"# HELP x x\n# TYPE x counter\nx_total 1\n"
+                self.send_response(200)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self._server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self._server.server_address[1]}/metrics"
+        threading.Thread(target=self._server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+
+class SlowTarget(ScriptedTarget):
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        await asyncio.sleep(0.5)
+        await super().stream(request, record)
+
+
+@pytest.mark.parametrize(("interval", "least", "most"), [("0.1", 4, 7), ("0", 1, 1)])
+def test_a_server_without_phasescope_metrics_is_still_scraped_on_the_runs_cadence(
+    tmp_path: Path, interval: str, least: int, most: int
+) -> None:
+    # vLLM's OpenAI server pays for its /metrics as phasescope does, or front-end CPU compares unequal work.
+    endpoint = MetricsEndpoint()
+    try:
+        target = SlowTarget("openai-like", [])
+        target.scrape_url = endpoint.url
+        bench = Bench(config(tmp_path, "--concurrency", "2", "--scrape-interval", interval), [target])
+        asyncio.run(bench.sweep())
+    finally:
+        endpoint.close()
+    run = bench.points[0]["runs"][0]
+    assert least <= endpoint.reads <= most
+    assert run["metrics_reads"] == endpoint.reads
+    # Not phasescope's /metrics: no server view is read from it.
+    assert "server_mean_decode_ms" not in run
+
+
+def test_scrape_interval_must_not_be_negative(tmp_path: Path) -> None:
+    from loadtests.bench.config import ConfigError
+
+    with pytest.raises(ConfigError, match="--scrape-interval"):
+        config(tmp_path, "--scrape-interval", "-1")
