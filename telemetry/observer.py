@@ -48,6 +48,8 @@ class ObserverGroup:
         """`on_error` receives each contained exception (telemetry.errors.TelemetryErrors counts them)."""
         self._observers = tuple(observers)
         self._on_error = on_error
+        # Called for every streamed chunk: the bound methods, looked up once.
+        self._token_sinks = tuple(observer.tokens_generated for observer in self._observers)
 
     def _fan_out(self, method: str, *args: object) -> None:
         for observer in self._observers:
@@ -63,7 +65,11 @@ class ObserverGroup:
         self._fan_out("request_first_token", record)
 
     def tokens_generated(self, model: str, count: int) -> None:
-        self._fan_out("tokens_generated", model, count)
+        for sink in self._token_sinks:
+            try:
+                sink(model, count)
+            except Exception as exc:
+                self._on_error("observer", exc)
 
     def request_finished(self, record: PhaseRecord) -> None:
         self._fan_out("request_finished", record)

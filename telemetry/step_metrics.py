@@ -9,8 +9,9 @@ instead of a misleading 0.
 
 from __future__ import annotations
 
+import bisect
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -70,6 +71,30 @@ class EngineView:
     queue_share: float
     headroom: Headroom
     idle_cost_per_hour: float | None
+
+
+def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
+    """`histogram.observe(v)` for every value, with one lock per touched bucket instead of one per value.
+
+    An engine step reports one inter-token gap per decoding request (hundreds at a large batch). This
+    reads prometheus-client's bucket layout (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4);
+    tests/unit/telemetry/test_step_metrics_observe.py checks the result equals one observe() per value.
+    """
+    bounds = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    total = 0.0
+    for value in values:
+        # The first bucket whose bound is ≥ the value, as observe() picks it; the last bound is +Inf.
+        counts[bisect.bisect_left(bounds, value)] += 1
+        total += value
+    if not any(counts):
+        return
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks
+    histogram._sum.inc(total)
+    buckets = histogram._buckets
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
 
 
 class StepMetrics(Collector):
@@ -182,6 +207,9 @@ class StepMetrics(Collector):
             for kind in STEP_KINDS:
                 self.steps.labels(model, str(engine), kind)
         self._inter_token = self.inter_token_latency_seconds.labels(model)
+        # Labelled children by engine (and phase), looked up once: record() runs for every engine step.
+        self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
+        self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge]] = {}
         registry.register(self)
 
     @property
@@ -193,30 +221,49 @@ class StepMetrics(Collector):
         return self._peaks.peak_flops(self._dtype)
 
     def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
-        self.engine_requests.labels(self._model, str(engine), "running").set(running)
-        self.engine_requests.labels(self._model, str(engine), "waiting").set(waiting)
-        self.kv_cache_usage.labels(self._model, str(engine)).set(kv_cache_usage)
+        children = self._queue_children.get(engine)
+        if children is None:
+            labels = (self._model, str(engine))
+            children = self._queue_children[engine] = (
+                self.engine_requests.labels(*labels, "running"),
+                self.engine_requests.labels(*labels, "waiting"),
+                self.kv_cache_usage.labels(*labels),
+            )
+        children[0].set(running)
+        children[1].set(waiting)
+        children[2].set(kv_cache_usage)
         self.window.add_queue(engine, running, waiting, kv_cache_usage)
 
     def record_iteration(self, iteration: EngineIteration) -> None:
-        observe = self._inter_token.observe
-        for gap in iteration.inter_token_seconds:
-            observe(gap)
+        observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
             self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
 
+    def _phase_counters(self, engine: int, phase: str) -> tuple[Counter, Counter, Counter, Counter, Counter]:
+        children = self._phase_children.get((engine, phase))
+        if children is None:
+            labels = (self._model, str(engine), phase)
+            children = self._phase_children[(engine, phase)] = (
+                self.flops.labels(*labels),
+                self.bytes_read.labels(*labels),
+                self.written_bytes.labels(*labels),
+                self.busy_seconds.labels(*labels),
+                self.step_tokens.labels(*labels),
+            )
+        return children
+
     def record(self, step: StepRecord) -> None:
         cost = attribute_step(step, self._cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
-        engine = str(step.engine)
-        self.steps.labels(self._model, engine, step.kind).inc()
+        self.steps.labels(self._model, str(step.engine), step.kind).inc()
         for phase, share in cost.shares.items():
             if share.tokens == 0:
                 continue
-            self.flops.labels(self._model, engine, phase).inc(share.flops)
-            self.bytes_read.labels(self._model, engine, phase).inc(share.read_bytes)
-            self.written_bytes.labels(self._model, engine, phase).inc(share.written_bytes)
-            self.busy_seconds.labels(self._model, engine, phase).inc(share.seconds)
-            self.step_tokens.labels(self._model, engine, phase).inc(share.tokens)
+            flops, read, written, busy, tokens = self._phase_counters(step.engine, phase)
+            flops.inc(share.flops)
+            read.inc(share.read_bytes)
+            written.inc(share.written_bytes)
+            busy.inc(share.seconds)
+            tokens.inc(share.tokens)
         self.window.add(step, cost)
         if self._interference is not None:
             self._interference.record(step, cost.shares["decode"].seconds)
