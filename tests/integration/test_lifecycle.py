@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -21,7 +22,10 @@ LONG = build_request(prompt="Tell me everything about the sea.", max_tokens=400,
 @pytest.fixture(scope="module")
 def small_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     # One running slot and one waiting slot: the third concurrent request is refused.
-    server = start_server("--max-concurrent-requests", "1", "--max-queued-requests", "1", wait=False)
+    # It also keeps its front end off the engine worker's CPUs (--pin-front-end), which nothing here may notice.
+    server = start_server(
+        "--max-concurrent-requests", "1", "--max-queued-requests", "1", "--pin-front-end", wait=False
+    )  # fmt: skip
     server.wait_serving()
     return server
 
@@ -139,6 +143,26 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
         assert (
             client.generate(build_request(prompt="Calm:", max_tokens=2, ignore_eos=True)).usage.completion_tokens == 2
         )
+
+
+def test_a_pinned_front_end_leaves_the_engine_workers_cpus_to_them(small_server: ServerProcess) -> None:
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: vLLM binds its worker to it and nothing is left to move the front end to")
+    server = psutil.Process(small_server.process.pid)
+    tree = server.children(recursive=True)
+    workers = [process for process in tree if process.name() == "VLLM::Worker"]
+    assert workers, [process.name() for process in tree]
+    worker_cpus = set().union(*(process.cpu_affinity() for process in workers))
+    assert "pinned the front end and engine core" in small_server.log_path.read_text(errors="replace")
+    serving_cpus: set[int] = set()
+    for process in [server, *(process for process in tree if process not in workers)]:
+        for thread in process.threads():
+            cpus = os.sched_getaffinity(thread.id)
+            assert not cpus & worker_cpus, (process.name(), thread.id, cpus, worker_cpus)
+            serving_cpus |= cpus
+    # Between them, the workers and the rest still have every CPU the server was given.
+    assert serving_cpus
+    assert serving_cpus | worker_cpus == os.sched_getaffinity(0)
 
 
 def test_sigterm_drains_in_flight_requests_then_stops(small_server: ServerProcess) -> None:
