@@ -41,6 +41,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from loadtests.harness import stop_on_sigterm
+
 PROMPTS = (
     "What is the capital of France?",
     "Name three primary colours.",
@@ -293,6 +295,7 @@ def preload(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     cmp_parser = sub.add_parser("compare", help="greedy answers per dtype/compile configuration against float32-eager")

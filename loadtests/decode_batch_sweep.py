@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from loadtests.bench import EngineSettings, start_phasescope
-from loadtests.harness import wait_engine_idle
+from loadtests.harness import stop_on_sigterm, wait_engine_idle
 from server.client import PhasescopeClient, build_request
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from telemetry.exposition import fetch_samples, sum_samples
@@ -136,6 +136,7 @@ def predictions(address: str, metrics_url: str, rows: list[dict[str, Any]]) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batch-sizes", default="1,4,16,64", type=lambda s: [int(b) for b in s.split(",")])
     parser.add_argument("--window", type=float, default=10.0, help="metrics window (s) the server averages over")

@@ -29,6 +29,17 @@ class StartError(RuntimeError):
     """A managed process exited, or was not ready in time, during start-up."""
 
 
+def stop_on_sigterm() -> None:
+    """SIGTERM ends a tool as Ctrl-C does: KeyboardInterrupt in the main thread, so every `with`, exit stack
+    and `finally` that stops a server or an engine runs. The default would end the process at once and leave
+    the servers it started (each in its own process group) and its in-process engine running."""
+
+    def interrupt(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    signal.signal(signal.SIGTERM, interrupt)
+
+
 def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))

@@ -22,6 +22,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
+from loadtests.harness import stop_on_sigterm
 from server.config import Settings
 from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from server.validation import SamplingSpec
@@ -111,6 +112,7 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
 
 
 def main() -> None:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=250)

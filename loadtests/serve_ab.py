@@ -34,7 +34,7 @@ from loadtests.bench.loop import run_point
 from loadtests.bench.summary import summarize
 from loadtests.bench.targets import PhasescopeTarget
 from loadtests.bench.workload import LengthDistribution, WorkloadSpec, derive_seed, workload
-from loadtests.harness import PhasescopeProcess
+from loadtests.harness import PhasescopeProcess, stop_on_sigterm
 
 FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "frontend_cpu_seconds_per_1k_tokens")
 
@@ -102,6 +102,7 @@ async def _measure(servers: dict[str, PhasescopeProcess], args: argparse.Namespa
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--a-args", default="", help="serve flags of configuration A (shell-quoted)")
     parser.add_argument("--b-args", default="", help="serve flags of configuration B")

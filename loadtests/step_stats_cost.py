@@ -28,6 +28,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from loadtests.harness import stop_on_sigterm
 from loadtests.tiny_model import build_tiny_model
 
 
@@ -72,6 +73,7 @@ async def one_round(model: str, accounting: bool, concurrency: int, max_tokens: 
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--rounds", type=int, default=3, help="rounds per setting (alternating)")
     parser.add_argument("--concurrency", type=int, default=32)

@@ -31,7 +31,7 @@ from typing import Any
 import grpc
 import psutil
 
-from loadtests.harness import ManagedProcess, free_port
+from loadtests.harness import ManagedProcess, free_port, stop_on_sigterm
 
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
 METHOD = "/floor.Floor/Stream"
@@ -173,6 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.serve == "sse":
         serve_sse(args.port, args.rate, args.seconds)
         return 0
+    stop_on_sigterm()  # the servers it starts are stopped on SIGTERM too
     points = [int(value) for value in args.streams.split(",")]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     results = []

@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from loadtests.harness import PhasescopeProcess
+from loadtests.harness import PhasescopeProcess, stop_on_sigterm
 from phasescope.v1 import inference_pb2 as pb
 from server.client import PhasescopeClient, build_request
 
@@ -83,6 +83,7 @@ def one_round(address: str, concurrency: int, max_tokens: int, process: psutil.P
 
 
 def main(argv: list[str] | None = None) -> int:
+    stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--watchers", type=int, default=4)
     parser.add_argument("--interval", type=float, default=1.0)

@@ -28,7 +28,7 @@ from loadtests.bench.plots import plot
 from loadtests.bench.report import print_tables, write_report
 from loadtests.bench.summary import FORMULAS, ratios
 from loadtests.bench.targets import PhasescopeTarget, Target
-from loadtests.harness import StartError
+from loadtests.harness import StartError, stop_on_sigterm
 
 SCHEMA_VERSION = 2
 """2: points combine `repeats` (medians, `spread`, `runs`); goodput, saturation and gauges; `plans`."""
@@ -105,10 +105,16 @@ def main(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"phasescope bench: {exc}", file=sys.stderr)
         return 2
+    stop_on_sigterm()
     try:
         results = asyncio.run(run(config, args))
     except StartError as exc:  # a server that did not start is the operator's problem, not a traceback
         raise SystemExit(str(exc)) from exc
+    except KeyboardInterrupt:
+        # asyncio.run cancelled the run: its exit stack stopped every server and engine it had started.
+        print("phasescope bench: interrupted; the servers and engines it started are stopped, nothing written",
+              file=sys.stderr)  # fmt: skip
+        return 130
     path = config.output_dir / "bench.json"
     path.write_text(json.dumps(results, indent=1) + "\n")
     plots = plot(results, config.output_dir)

@@ -5,9 +5,13 @@ from __future__ import annotations
 import csv
 import json
 import shlex
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import psutil
 
 from support.servers import ServerProcess
 from telemetry.verdict import VERDICTS
@@ -163,3 +167,33 @@ def test_bench_tiny_model_starts_its_own_server_and_takes_bursts(tmp_path: Path)
     first, second = records[:8], records[8:]
     assert max(r["sent"] for r in first) < min(r["finished"] for r in first)
     assert min(r["sent"] for r in second) >= max(r["finished"] for r in first)
+
+
+def test_a_terminated_bench_stops_the_server_and_engine_it_started(tmp_path: Path) -> None:
+    # Killed by a CI timeout, `timeout` or systemd, the bench must not leave a server and its engine
+    # spinning on the machine's cores.
+    out, log = tmp_path / "bench", tmp_path / "bench.log"
+    command = [
+        sys.executable, "-m", "server", "bench", "--tiny-model", "--concurrency", "2", "--requests", "5000",
+        "--warmup", "0", "--max-tokens", "64", "--max-num-seqs", "4", "--max-model-len", "512",
+        "--kv-cache-gib", "0.25", "--no-token-times", "--output-dir", str(out),
+    ]  # fmt: skip
+    with log.open("w") as stderr:
+        bench = subprocess.Popen(command, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=stderr)
+    try:
+        deadline = time.monotonic() + 300
+        while "phasescope concurrency=2 #1" not in log.read_text(errors="replace"):
+            assert bench.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "the bench never started measuring"
+            time.sleep(1)
+        started = psutil.Process(bench.pid).children(recursive=True)
+        assert any(p.name() == "VLLM::EngineCore" for p in started), [p.name() for p in started]
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=180) == 130, log.read_text(errors="replace")[-3000:]
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+    _, alive = psutil.wait_procs(started, timeout=60)
+    assert not alive, [(p.pid, p.name()) for p in alive]
+    assert "interrupted; the servers and engines it started are stopped" in log.read_text(errors="replace")
+    assert not (out / "bench.json").exists()
