@@ -318,7 +318,10 @@ def serve(settings: Settings, factory: Callable[[], asyncio.AbstractEventLoop] |
 def _pin_front_end() -> None:
     pinning = keep_off_worker_cpus()
     if pinning is None:
-        logger.info("front end not pinned: no engine worker is bound to a subset of this process's CPUs")
+        logger.info(
+            "front end not pinned: no engine worker is bound to part of this process's CPUs, "
+            "or the workers' bindings leave no CPU free"
+        )
         return
     logger.info(
         "pinned the front end and engine core (pids %s) to CPUs %s, off CPUs %s where the engine's workers "
