@@ -1,3 +1,4 @@
+import os
 import sys
 import time
 from pathlib import Path
@@ -45,6 +46,18 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     # The child outlived its parent's SIGTERM; the group's SIGKILL ended it.
     assert ends(child)
     assert process.stop() == process.process.returncode  # a second stop leaves it as it is
+
+
+def test_a_managed_process_has_its_own_group_but_shares_the_callers_session(tmp_path: Path) -> None:
+    # Its own process group, so stop() can end the whole tree; the caller's session, so the kernel's
+    # autogroup scheduler does not give a server and its engine a CPU share of their own against the
+    # benchmark's client (the cause of stalled streams at 16 streams, docs/benchmarks.md).
+    process = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    try:
+        assert os.getpgid(process.process.pid) == process.process.pid != os.getpgid(0)
+        assert os.getsid(process.process.pid) == os.getsid(0)
+    finally:
+        process.stop(timeout=10)
 
 
 def test_a_process_that_exits_during_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
