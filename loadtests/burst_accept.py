@@ -34,7 +34,8 @@ from typing import Any
 
 import grpc
 
-from loadtests.harness import ManagedProcess, PhasescopeProcess, free_port, stop_on_sigterm
+from loadtests.harness import ManagedProcess, PhasescopeProcess, free_port, listening, stop_on_sigterm
+from loadtests.transport_floor import Ticker
 
 METHOD = "/burst.Burst/Stream"
 MESSAGES = 64
@@ -42,22 +43,18 @@ TICK_SECONDS = 0.03
 
 
 async def serve_bare(port: int) -> None:
-    tick = asyncio.Event()
-
-    async def ticker() -> None:
-        nonlocal tick
-        while True:
-            await asyncio.sleep(TICK_SECONDS)
-            tick, fired = asyncio.Event(), tick
-            fired.set()
+    ticker = Ticker(1 / TICK_SECONDS)
 
     async def stream(request: bytes, context: Any) -> AsyncIterator[bytes]:
         yield struct.pack("d", time.time())  # the handler's entry: nothing before it is the handler's
-        for _ in range(MESSAGES - 1):
-            await tick.wait()
+        sent = 1
+        async for _ in ticker.steps(float("inf")):
+            if sent == MESSAGES:
+                return
             yield b"token"
+            sent += 1
 
-    loop_task = asyncio.get_running_loop().create_task(ticker())
+    loop_task = asyncio.get_running_loop().create_task(ticker.run())
     server = grpc.aio.server()
     handler = grpc.method_handlers_generic_handler(
         "burst.Burst", {"Stream": grpc.unary_stream_rpc_method_handler(stream)}
@@ -136,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as scratch:
         log = Path(scratch) / "server.log"
         server: ManagedProcess
+        port = 0
         if args.bare:
             port = free_port()
             address = f"127.0.0.1:{port}"
@@ -155,7 +153,7 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(server, PhasescopeProcess):
                 server.wait_serving()
             else:
-                server.wait_until(lambda: _listening(address), "the bare grpc.aio server", timeout=30)
+                server.wait_until(lambda: listening(port), "the bare grpc.aio server", timeout=30)
             started = time.monotonic()
             results = asyncio.run(waves(address, wait, args.burst, args.waves))
     if args.output:
@@ -169,14 +167,6 @@ def main(argv: list[str] | None = None) -> int:
         }
         args.output.write_text(json.dumps(body, indent=1) + "\n")
     return 0
-
-
-def _listening(address: str) -> bool:
-    import socket
-
-    host, port = address.rsplit(":", 1)
-    with socket.socket() as probe:
-        return probe.connect_ex((host, int(port))) == 0
 
 
 if __name__ == "__main__":

@@ -46,6 +46,12 @@ def free_port() -> int:
         return int(probe.getsockname()[1])
 
 
+def listening(port: int) -> bool:
+    """Whether something accepts connections on the loopback port."""
+    with socket.socket() as probe:
+        return probe.connect_ex(("127.0.0.1", port)) == 0
+
+
 class ManagedProcess:
     """A process in its own process group, its stdout and stderr in `log_path`."""
 

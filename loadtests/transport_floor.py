@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import http.client
 import json
-import socket
 import sys
 import threading
 import time
@@ -31,7 +30,7 @@ from typing import Any
 import grpc
 import psutil
 
-from loadtests.harness import ManagedProcess, free_port, stop_on_sigterm
+from loadtests.harness import ManagedProcess, free_port, listening, stop_on_sigterm
 
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
 METHOD = "/floor.Floor/Stream"
@@ -116,11 +115,6 @@ def read_sse(port: int) -> int:
             count += 1
     connection.close()
     return count
-
-
-def listening(port: int) -> bool:
-    with socket.socket() as probe:
-        return probe.connect_ex(("127.0.0.1", port)) == 0
 
 
 def measure(transport: str, streams: int, rate: float, seconds: float, log: Path) -> dict[str, Any]:

@@ -63,9 +63,9 @@ class BenchConfig:
     token_times: bool = True
     """Keep every token's arrival time in the per-request records (off: TTFT, TPOT and E2E only)."""
     scrape_interval: float = 2.0
+    """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     pin_cpus: bool = False
     """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
-    """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     compare: bool = False
     address: str | None = None
     metrics_url: str | None = None
