@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--burst", type=int, default=128, help="requests sent at once")
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument("--output", type=Path, help="raw waits (seconds) as JSON")
+    parser.add_argument("--server-log", type=Path, help="keep the server's log here (else it is deleted)")
     parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve_bare:
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     stop_on_sigterm()
     with tempfile.TemporaryDirectory() as scratch:
-        log = Path(scratch) / "server.log"
+        log = args.server_log or Path(scratch) / "server.log"
         server: ManagedProcess
         port = 0
         if args.bare:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import gc
 import logging
 import signal
 import time
@@ -228,8 +229,11 @@ class Server:
                 ServerFacts(model_name, description.device, description.dtype, engine_peaks, self._started),
                 LiveTelemetry(tracker, recent),
             )
+            frozen = freeze_startup_heap()
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
-            logger.info("ready: serving %s (health SERVING)", model_name)
+            logger.info(
+                "ready: serving %s (health SERVING; %d startup objects kept out of collections)", model_name, frozen
+            )
             watcher = asyncio.create_task(self._watch_engine(engine))
             await self._stop.wait()
             watcher.cancel()
@@ -237,6 +241,7 @@ class Server:
         finally:
             await self.health.enter_graceful_shutdown()
             await server.stop(grace=1.0)
+            gc.unfreeze()  # the engine's startup objects become collectable again as it closes
             if self._engine is not None:
                 logger.info("stopping the engine")
                 await self._engine.close()
@@ -313,6 +318,18 @@ def serve(settings: Settings, factory: Callable[[], asyncio.AbstractEventLoop] |
     logger.info("event loop: %s", "uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:
         return runner.run(Server(settings).run())
+
+
+def freeze_startup_heap() -> int:
+    """Keep everything alive after start-up out of every later garbage collection; how many objects.
+
+    vLLM's OpenAI server does the same once it is up (`vllm.utils.gc_utils.freeze_gc_heap`). Without
+    it a full collection walks the whole start-up heap (torch, transformers, vLLM: about 600,000
+    objects with the tiny model) and holds the event loop 400-550 ms while every stream waits.
+    """
+    gc.collect()
+    gc.freeze()
+    return gc.get_freeze_count()
 
 
 def _pin_front_end() -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import gc
 import sys
 import threading
 
@@ -124,3 +125,30 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypa
         event_loop_factory("uvloop")
     with pytest.raises(SettingsError, match="--event-loop must be auto, uvloop or asyncio"):
         Settings(event_loop="trio").validate()
+
+
+def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
+    factory = Factory()
+    factory.release.set()
+
+    async def scenario() -> tuple[bool, int]:
+        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+        running = asyncio.create_task(server.run())
+        async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
+            await wait_for_health(client, "SERVING")
+            # A full collection now skips everything alive at start-up.
+            tracked = {id(o) for o in gc.get_objects()}
+            start_up_held_back = id(factory.engine) not in tracked and gc.get_freeze_count() > 0
+            server.request_stop()
+            code = await running
+        return start_up_held_back, code
+
+    try:
+        held_back, code = asyncio.run(scenario())
+        assert code == 0
+        assert held_back
+        # Stopped: the engine's objects are collectable again (an engine closed in-process is freed).
+        assert gc.get_freeze_count() == 0
+        assert any(o is factory.engine for o in gc.get_objects())
+    finally:
+        gc.unfreeze()
