@@ -1,5 +1,8 @@
 """The streaming transports alone: server CPU of grpc.aio against uvicorn's SSE, side by side.
 
+`--transports grpc.aio,grpc.sync,sse` adds grpc's thread-per-stream server (`grpc.server`
+with a thread pool) to the comparison.
+
 phasescope streams over grpc.aio; vLLM's OpenAI server streams server-sent
 events from uvicorn. This takes the engine out of the comparison: each server
 here streams a fixed small payload to N concurrent streams, one message per
@@ -18,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import http.client
 import json
 import sys
@@ -32,6 +36,7 @@ import psutil
 
 from loadtests.harness import ManagedProcess, free_port, listening, stop_on_sigterm
 
+TRANSPORTS = ("grpc.aio", "grpc.sync", "sse")
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
 METHOD = "/floor.Floor/Stream"
 
@@ -73,6 +78,36 @@ async def serve_grpc(port: int, rate: float, seconds: float) -> None:
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
     await server.wait_for_termination()
+
+
+def serve_grpc_sync(port: int, rate: float, seconds: float, streams: int) -> None:
+    """grpc's thread-per-stream server: each stream's handler thread waits for the shared tick."""
+    tick = threading.Condition()
+    period = 1.0 / rate
+
+    def ticker() -> None:
+        while True:
+            time.sleep(period)
+            with tick:
+                tick.notify_all()
+
+    def stream(request: bytes, context: Any) -> Any:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            with tick:
+                tick.wait()
+            yield PAYLOAD
+
+    threading.Thread(target=ticker, daemon=True).start()
+    server = grpc.server(concurrent.futures.ThreadPoolExecutor(max_workers=streams + 4))
+    handler = grpc.method_handlers_generic_handler(
+        "floor.Floor",
+        {"Stream": grpc.unary_stream_rpc_method_handler(stream)},
+    )
+    server.add_generic_rpc_handlers((handler,))
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    server.start()
+    server.wait_for_termination()
 
 
 def serve_sse(port: int, rate: float, seconds: float) -> None:
@@ -121,13 +156,13 @@ def measure(transport: str, streams: int, rate: float, seconds: float, log: Path
     port = free_port()
     with ManagedProcess(
         [sys.executable, "-m", "loadtests.transport_floor", "--serve", transport, "--port", str(port),
-         "--rate", str(rate), "--seconds", str(seconds)],
+         "--rate", str(rate), "--seconds", str(seconds), "--streams", str(streams)],
         log,
     ) as server:  # fmt: skip
         server.wait_until(lambda: listening(port), f"the {transport} server", timeout=30)
         time.sleep(1.0)  # let start-up work finish before the window opens
         process = psutil.Process(server.process.pid)
-        reader = read_grpc if transport == "grpc.aio" else read_sse
+        reader = read_sse if transport == "sse" else read_grpc
         counts: list[int] = []
         threads = [threading.Thread(target=lambda: counts.append(reader(port))) for _ in range(streams)]
         before = process.cpu_times()
@@ -157,34 +192,47 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--streams", default="1,4,16", help="concurrent streams per point")
     parser.add_argument("--rate", type=float, default=15.0, help="steps per second (one message per stream per step)")
     parser.add_argument("--seconds", type=float, default=10.0, help="streaming time per point")
+    parser.add_argument(
+        "--transports", default="grpc.aio,sse", help="servers to measure, in order: grpc.aio, grpc.sync, sse"
+    )
     parser.add_argument("--output", type=Path, default=Path("loadtests/results/transport_floor.json"))
-    parser.add_argument("--serve", choices=("grpc.aio", "sse"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve == "grpc.aio":
         asyncio.run(serve_grpc(args.port, args.rate, args.seconds))
         return 0
+    if args.serve == "grpc.sync":
+        serve_grpc_sync(args.port, args.rate, args.seconds, int(args.streams))
+        return 0
     if args.serve == "sse":
         serve_sse(args.port, args.rate, args.seconds)
         return 0
+    transports = [name.strip() for name in args.transports.split(",")]
+    unknown = sorted(set(transports) - set(TRANSPORTS))
+    if unknown:
+        parser.error(f"--transports: unknown {', '.join(unknown)}; choose from {', '.join(TRANSPORTS)}")
     stop_on_sigterm()  # the servers it starts are stopped on SIGTERM too
     points = [int(value) for value in args.streams.split(",")]
     args.output.parent.mkdir(parents=True, exist_ok=True)
     results = []
     print(f"{'transport':<9} {'streams':>7} {'msgs/s':>8} {'CPU ms/s':>9} {'µs/msg':>8}")
     for streams in points:
-        for transport in ("grpc.aio", "sse"):
+        for transport in transports:
             row = measure(transport, streams, args.rate, args.seconds, args.output.with_suffix(f".{transport}.log"))
             results.append(row)
             print(
                 f"{transport:<9} {streams:>7} {row['messages'] / row['seconds']:>8.1f} "
                 f"{row['server_cpu_ms_per_second']:>9.1f} {row['server_cpu_us_per_message'] or 0:>8.0f}"
             )
-    print("\ngrpc.aio ÷ SSE, server CPU at the same point:")
-    for streams in points:
-        grpc_row, sse_row = (next(r for r in results if r["transport"] == t and r["streams"] == streams)
-                             for t in ("grpc.aio", "sse"))  # fmt: skip
-        print(f"  {streams:>3} streams: {grpc_row['server_cpu_seconds'] / sse_row['server_cpu_seconds']:.2f}")
+    for other in (t for t in transports if t != "sse"):
+        if "sse" not in transports:
+            break
+        print(f"\n{other} ÷ SSE, server CPU at the same point:")
+        for streams in points:
+            grpc_row, sse_row = (next(r for r in results if r["transport"] == t and r["streams"] == streams)
+                                 for t in (other, "sse"))  # fmt: skip
+            print(f"  {streams:>3} streams: {grpc_row['server_cpu_seconds'] / sse_row['server_cpu_seconds']:.2f}")
     args.output.write_text(json.dumps({"rate": args.rate, "points": results}, indent=2) + "\n")
     print(f"\nraw results: {args.output}")
     return 0
