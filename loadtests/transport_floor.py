@@ -225,14 +225,12 @@ def main(argv: list[str] | None = None) -> int:
                 f"{transport:<9} {streams:>7} {row['messages'] / row['seconds']:>8.1f} "
                 f"{row['server_cpu_ms_per_second']:>9.1f} {row['server_cpu_us_per_message'] or 0:>8.0f}"
             )
-    for other in (t for t in transports if t != "sse"):
-        if "sse" not in transports:
-            break
-        print(f"\n{other} ÷ SSE, server CPU at the same point:")
-        for streams in points:
-            grpc_row, sse_row = (next(r for r in results if r["transport"] == t and r["streams"] == streams)
-                                 for t in (other, "sse"))  # fmt: skip
-            print(f"  {streams:>3} streams: {grpc_row['server_cpu_seconds'] / sse_row['server_cpu_seconds']:.2f}")
+    cpu = {(row["transport"], row["streams"]): row["server_cpu_seconds"] for row in results}
+    if "sse" in transports:
+        for other in (t for t in transports if t != "sse"):
+            print(f"\n{other} ÷ SSE, server CPU at the same point:")
+            for streams in points:
+                print(f"  {streams:>3} streams: {cpu[other, streams] / cpu['sse', streams]:.2f}")
     args.output.write_text(json.dumps({"rate": args.rate, "points": results}, indent=2) + "\n")
     print(f"\nraw results: {args.output}")
     return 0

@@ -323,7 +323,8 @@ def serve(settings: Settings, factory: Callable[[], asyncio.AbstractEventLoop] |
 def freeze_startup_heap() -> int:
     """Keep everything alive after start-up out of every later garbage collection; how many objects.
 
-    vLLM's OpenAI server does the same once it is up (`vllm.utils.gc_utils.freeze_gc_heap`). Without
+    vLLM's OpenAI server does the same once it is up (`vllm.utils.gc_utils.freeze_gc_heap`, not called
+    here: only the vLLM adapter may import vLLM, and this is three lines of the standard library). Without
     it a full collection walks the whole start-up heap (torch, transformers, vLLM: about 600,000
     objects with the tiny model) and holds the event loop 400-550 ms while every stream waits.
     """

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import sys
 import threading
+from collections.abc import AsyncIterator
 
 import grpc
 import pytest
@@ -61,6 +63,17 @@ async def wait_for_health(client: AsyncPhasescopeClient, wanted: str) -> list[st
     raise AssertionError(f"health never said {wanted}: {seen}")
 
 
+@contextlib.asynccontextmanager
+async def serving(factory: Factory) -> AsyncIterator[tuple[Server, asyncio.Task[int], AsyncPhasescopeClient]]:
+    """A server on the released scripted engine, its run() task, and a client, once health says SERVING."""
+    factory.release.set()
+    server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+    running = asyncio.create_task(server.run())
+    async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
+        await wait_for_health(client, "SERVING")
+        yield server, running, client
+
+
 @pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
 def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> None:
     if loop == "uvloop":
@@ -98,13 +111,9 @@ def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> N
 
 def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
     factory = Factory()
-    factory.release.set()
 
     async def scenario() -> tuple[int, str]:
-        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
-        running = asyncio.create_task(server.run())
-        async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
-            await wait_for_health(client, "SERVING")
+        async with serving(factory) as (_, running, _):
             factory.engine.dead = True
             code = await asyncio.wait_for(running, 10)
         return code, "closed" if factory.engine.closed else "open"
@@ -129,13 +138,9 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypa
 
 def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
     factory = Factory()
-    factory.release.set()
 
     async def scenario() -> tuple[bool, int]:
-        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
-        running = asyncio.create_task(server.run())
-        async with AsyncPhasescopeClient(await wait_for_port(server), timeout_seconds=5) as client:
-            await wait_for_health(client, "SERVING")
+        async with serving(factory) as (server, running, _):
             # A full collection now skips everything alive at start-up.
             tracked = {id(o) for o in gc.get_objects()}
             start_up_held_back = id(factory.engine) not in tracked and gc.get_freeze_count() > 0
