@@ -54,11 +54,11 @@ unit: dev
 integration: setup
 	$(BIN)/pytest tests/engine tests/integration
 
-# Regenerates the committed protobuf code; tests/unit/test_proto_fresh.py fails when it is stale.
+# Regenerates the committed protobuf code (proto/phasescope/v1/*.proto -> phasescope/v1/);
+# tests/unit/test_proto_fresh.py fails when it is stale.
 proto:
 	$(BIN)/python -m grpc_tools.protoc -I$(PROTO_DIR) \
-		--python_out=$(PROTO_DIR) --grpc_python_out=$(PROTO_DIR) \
-		--mypy_out=$(PROTO_DIR) --mypy_grpc_out=$(PROTO_DIR) \
+		--python_out=. --grpc_python_out=. --mypy_out=. --mypy_grpc_out=. \
 		--plugin=protoc-gen-mypy=$(BIN)/protoc-gen-mypy \
 		--plugin=protoc-gen-mypy_grpc=$(BIN)/protoc-gen-mypy_grpc \
 		$(PROTO_FILES:$(PROTO_DIR)/%=%)

@@ -34,8 +34,8 @@ from typing import Any
 
 import grpc
 
-from loadtests.harness import ManagedProcess, PhasescopeProcess, free_port, listening, stop_on_sigterm
 from loadtests.transport_floor import Ticker
+from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, free_port, listening, stop_on_sigterm
 
 METHOD = "/burst.Burst/Stream"
 MESSAGES = 64
@@ -81,8 +81,8 @@ async def bare_wait(channel: grpc.aio.Channel, index: int) -> float:
 
 
 async def phasescope_wait(channel: grpc.aio.Channel, index: int) -> float:
+    from phasescope.client.client import build_request
     from phasescope.v1 import inference_pb2_grpc as pb_grpc
-    from server.client import build_request
 
     stub = pb_grpc.InferenceStub(channel)
     request = build_request(prompt=f"Story {index}: the sea and the sky.", max_tokens=MESSAGES, ignore_eos=True)
@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0] if __doc__ else None)
     target = parser.add_mutually_exclusive_group(required=True)
     target.add_argument("--bare", action="store_true", help="a bare grpc.aio server in its own process")
-    target.add_argument("--tiny-model", action="store_true", help="phasescope serving loadtests.tiny_model")
+    target.add_argument("--tiny-model", action="store_true", help="phasescope serving phasescope.bench.tiny_model")
     parser.add_argument("--burst", type=int, default=128, help="requests sent at once")
     parser.add_argument("--waves", type=int, default=3)
     parser.add_argument("--output", type=Path, help="raw waits (seconds) as JSON")
@@ -143,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
             )
             wait: Callable[[grpc.aio.Channel, int], Awaitable[float]] = bare_wait
         else:
-            from loadtests.tiny_model import ensure_tiny_model
+            from phasescope.bench.tiny_model import ensure_tiny_model
 
             model = ensure_tiny_model()
             phasescope = PhasescopeProcess(

@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import stop_on_sigterm
+from phasescope.bench.harness import stop_on_sigterm
 
 PROMPTS = (
     "What is the capital of France?",
@@ -121,7 +121,7 @@ def run_child(spec: dict[str, Any]) -> dict[str, Any]:
     """Start one engine for `spec`, answer the prompts and/or measure decode; always shut it down."""
     from vllm import LLM, SamplingParams
 
-    from server.default_model import ensure_default_model
+    from phasescope.engine.default_model import ensure_default_model
 
     started = time.perf_counter()
     llm = LLM(

@@ -26,14 +26,14 @@ from typing import Any
 
 import grpc
 
-from loadtests.bench import EngineSettings, start_phasescope
-from loadtests.harness import stop_on_sigterm, wait_engine_idle
-from server.client import PhasescopeClient, build_request
-from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from telemetry.exposition import fetch_samples, sum_samples
-from telemetry.hardware import HardwarePeaks
-from telemetry.model_cost import model_cost_from_folder
-from telemetry.roofline import decode_step
+from phasescope.bench import EngineSettings, start_phasescope
+from phasescope.bench.harness import stop_on_sigterm, wait_engine_idle
+from phasescope.client.client import Client, build_request
+from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from phasescope.telemetry.exposition import fetch_samples, sum_samples
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.cost import model_cost_from_folder
+from phasescope.telemetry.model.roofline import decode_step
 
 PROMPT = "Write a long story about a lighthouse keeper."
 
@@ -43,7 +43,7 @@ class Streams:
         self.received = [0] * count
         self.first = threading.Barrier(count + 1)
         self.calls: list[Any] = []
-        self._clients = [PhasescopeClient(address, timeout_seconds=600) for _ in range(count)]
+        self._clients = [Client(address, timeout_seconds=600) for _ in range(count)]
         self._threads = [threading.Thread(target=self._run, args=(i, max_tokens), daemon=True) for i in range(count)]
         for thread in self._threads:
             thread.start()
@@ -101,7 +101,7 @@ def measure_batch(address: str, metrics_url: str, batch: int, window: float, max
 
 
 def predictions(address: str, metrics_url: str, rows: list[dict[str, Any]]) -> dict[str, Any]:
-    with PhasescopeClient(address, timeout_seconds=30) as client:
+    with Client(address, timeout_seconds=30) as client:
         info = client.model_info()
         prompt_tokens = len(client.tokenize(text=PROMPT + " (0)"))
     # The server runs on this machine: its model folder gives the full cost (attention term included).

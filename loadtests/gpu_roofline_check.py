@@ -43,8 +43,8 @@ from typing import Any
 
 import torch
 
-from telemetry.gpu_counters import GpmReading, GpmSampler, engine_gpus, gpm_capable, load_nvml
-from telemetry.hardware import lookup_device
+from phasescope.telemetry.hardware.gpu_counters import GpmReading, GpmSampler, engine_gpus, gpm_capable, load_nvml
+from phasescope.telemetry.hardware.peaks import lookup_device
 
 DTYPE = torch.bfloat16
 ELEMENT_BYTES = 2
@@ -162,7 +162,7 @@ def predict(cost: StepCost, peaks: Peaks) -> Prediction:
 
 
 def shape_from_config(config: Mapping[str, object]) -> ModelShape:
-    """The GEMM shape of a Hugging Face `config.json`; a nested `text_config` wins, as in telemetry.model_cost."""
+    """The GEMM shape of a Hugging Face `config.json`; a nested `text_config` wins, as in the cost model."""
     nested = config.get("text_config")
     if isinstance(nested, Mapping):
         config = {**config, **nested}
@@ -307,7 +307,7 @@ def _timed_steps(step: Callable[[], None], device: torch.device) -> list[float]:
 
 
 def resolve_peaks(device_name: str, bandwidth_flag: float | None, flops_flag: float | None) -> Peaks:
-    """The datasheet row for the device (telemetry.hardware), each figure overridden by its flag."""
+    """The datasheet row for the device (phasescope.telemetry.hardware.peaks), each figure overridden by its flag."""
     datasheet = lookup_device(device_name)
     if datasheet is None:
         if bandwidth_flag is None or flops_flag is None:

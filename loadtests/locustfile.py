@@ -36,8 +36,8 @@ grpc_gevent.init_gevent()
 from locust import User, constant, events, task  # noqa: E402  # after init_gevent, as above
 from locust.env import Environment  # noqa: E402  # after init_gevent, as above
 
+from phasescope.client.client import build_request, new_traceparent  # noqa: E402  # after init_gevent, as above
 from phasescope.v1 import inference_pb2_grpc as pb_grpc  # noqa: E402  # after init_gevent, as above
-from server.client import build_request, new_traceparent  # noqa: E402  # after init_gevent, as above
 
 # Varied lengths on purpose: short questions, paragraphs, a long context.
 BUILTIN_PROMPTS = [

@@ -22,12 +22,12 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import stop_on_sigterm
-from server.config import Settings
-from server.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from server.validation import SamplingSpec
-from telemetry.model_cost import ModelCost
-from telemetry.steps import StepForwarder, StepRecord, attribute_step
+from phasescope.bench.harness import stop_on_sigterm
+from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
+from phasescope.engine.request import SamplingSpec
+from phasescope.serve.config import Settings
+from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.step.steps import StepForwarder, StepRecord, attribute_step
 
 DECODERS = 4
 
@@ -56,7 +56,7 @@ def decode_intensities(
 
 
 async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> dict[str, Any]:
-    from server.vllm_adapter.engine import VllmEngine
+    from phasescope.engine.vllm.engine import VllmEngine
 
     recorded: list[tuple[float, StepRecord]] = []
     forward = StepForwarder()
@@ -64,7 +64,7 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
     # The server's own engine, configured as `phasescope serve` configures it.
     settings = Settings(enforce_eager=True, max_model_len=2048, kv_cache_gib=1.0)
     engine = await asyncio.to_thread(
-        VllmEngine.start, settings, str(ensure_default_model()), DEFAULT_MODEL_NAME, forward
+        VllmEngine.start, settings.engine_options(), str(ensure_default_model()), DEFAULT_MODEL_NAME, forward
     )
     try:
         stop = asyncio.Event()

@@ -30,11 +30,11 @@ from typing import Any
 
 import psutil
 
-from loadtests.bench.loop import run_point
-from loadtests.bench.summary import summarize
-from loadtests.bench.targets import PhasescopeTarget
-from loadtests.bench.workload import LengthDistribution, WorkloadSpec, derive_seed, workload
-from loadtests.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.bench.loop import run_point
+from phasescope.bench.summary import summarize
+from phasescope.bench.targets import PhasescopeTarget
+from phasescope.bench.workload import LengthDistribution, WorkloadSpec, derive_seed, workload
 
 FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "frontend_cpu_seconds_per_1k_tokens")
 
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--a-token-ids-only", action="store_true", help="A's requests ask for token ids only")
     parser.add_argument("--b-token-ids-only", action="store_true", help="B's requests ask for token ids only")
-    parser.add_argument("--tiny-model", action="store_true", help="serve loadtests.tiny_model (else the default)")
+    parser.add_argument("--tiny-model", action="store_true", help="serve the tiny model (else the default)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--bursts", type=int, default=0, help="waves of N at once instead of a closed loop")
     parser.add_argument("--requests", type=int, default=256)
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
               "--max-concurrent-requests", str(max(args.concurrency, args.bursts, 16)),
               "--max-queued-requests", "4096"]  # fmt: skip
     if args.tiny_model:
-        from loadtests.tiny_model import ensure_tiny_model
+        from phasescope.bench.tiny_model import ensure_tiny_model
 
         engine += ["--model", str(ensure_tiny_model())]
     logs = Path(tempfile.mkdtemp(prefix="serve-ab-"))

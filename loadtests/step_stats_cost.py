@@ -28,8 +28,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from loadtests.harness import stop_on_sigterm
-from loadtests.tiny_model import build_tiny_model
+from phasescope.bench.harness import stop_on_sigterm
+from phasescope.bench.tiny_model import build_tiny_model
 
 
 async def one_round(model: str, accounting: bool, concurrency: int, max_tokens: int) -> dict[str, Any]:

@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import psutil
 
-from loadtests.harness import ManagedProcess, free_port, listening, stop_on_sigterm
+from phasescope.bench.harness import ManagedProcess, free_port, listening, stop_on_sigterm
 
 TRANSPORTS = ("grpc.aio", "grpc.sync", "sse")
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'

@@ -28,16 +28,16 @@ from typing import Any
 
 import psutil
 
-from loadtests.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.client.client import Client, build_request
 from phasescope.v1 import inference_pb2 as pb
-from server.client import PhasescopeClient, build_request
 
 
 class Watchers:
     """N watchers reading every snapshot until stopped."""
 
     def __init__(self, address: str, count: int, interval: float) -> None:
-        self._clients = [PhasescopeClient(address) for _ in range(count)]
+        self._clients = [Client(address) for _ in range(count)]
         self._calls: list[Any] = []
         self.snapshots = 0
         self._lock = threading.Lock()
@@ -68,7 +68,7 @@ class Watchers:
 
 def one_round(address: str, concurrency: int, max_tokens: int, process: psutil.Process) -> dict[str, float]:
     def stream(index: int) -> int:
-        with PhasescopeClient(address) as client:
+        with Client(address) as client:
             request = build_request(prompt=f"Story {index}:", max_tokens=max_tokens, ignore_eos=True)
             return sum(len(chunk.token_ids) for chunk in client.generate_stream(request))
 

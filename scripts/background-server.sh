@@ -1,7 +1,7 @@
 # Sourced by loadtest.sh and soak.sh: start a phasescope on free loopback ports in its own
 # process group, wait until health says SERVING, and stop it (engine included) on exit.
 # Needs BIN and RESULTS; sets ADDRESS and server_pid.
-# The shell twin of loadtests/harness.py (same ports, process group and stop sequence): the
+# The shell twin of phasescope/bench/harness.py (same ports, process group and stop sequence): the
 # server must outlive this script's own commands (locust, the soak's RSS probes) and hand
 # them its pid, which a Python supervisor in between would only hide.
 
@@ -17,7 +17,7 @@ stop_server() {
 }
 
 free_port() {
-    "$BIN/python" -c 'from loadtests.harness import free_port; print(free_port())'
+    "$BIN/python" -c 'from phasescope.bench.harness import free_port; print(free_port())'
 }
 
 start_server() {

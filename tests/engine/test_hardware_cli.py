@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from server.cli import main
+from phasescope.cli.main import main
 
 
 @pytest.mark.parametrize(

@@ -6,8 +6,8 @@ from pathlib import Path
 import huggingface_hub.constants
 import pytest
 
-from server.cli import main
-from telemetry.model_cost import model_cost_from_folder, resolve_model_path
+from phasescope.cli.main import main
+from phasescope.telemetry.model.cost import model_cost_from_folder, resolve_model_path
 
 
 @pytest.fixture

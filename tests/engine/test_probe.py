@@ -4,8 +4,8 @@ from pathlib import Path
 
 import pytest
 
-from telemetry import probe
-from telemetry.probe import array_bytes_for, cached_measure, matmul_size_for, measure
+from phasescope.telemetry.hardware import probe
+from phasescope.telemetry.hardware.probe import array_bytes_for, cached_measure, matmul_size_for, measure
 
 
 def test_probe_returns_plausible_positive_numbers() -> None:

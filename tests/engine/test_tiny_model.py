@@ -5,9 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from loadtests import tiny_model
-from server.default_model import ensure_default_model
-from telemetry.model_cost import parameters_from_config, read_checkpoint
+from phasescope.bench import tiny_model
+from phasescope.engine.default_model import ensure_default_model
+from phasescope.telemetry.model.cost import parameters_from_config, read_checkpoint
 
 
 def test_the_tiny_model_is_built_once_with_the_default_tokenizer(

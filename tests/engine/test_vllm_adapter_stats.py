@@ -6,9 +6,9 @@ from prometheus_client import CollectorRegistry
 from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
 
-from server.vllm_adapter.stats import PhasescopeStatLogger, stat_logger_factory
-from telemetry.errors import TelemetryErrors
-from telemetry.steps import EngineIteration, StepForwarder, StepRecord
+from phasescope.engine.vllm.stats import PhasescopeStatLogger, stat_logger_factory
+from phasescope.telemetry.errors import TelemetryErrors
+from phasescope.telemetry.step.steps import EngineIteration, StepForwarder, StepRecord
 
 
 def logger(forward: StepForwarder) -> PhasescopeStatLogger:

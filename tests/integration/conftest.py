@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from server.client import PhasescopeClient
-from server.default_model import ensure_default_model
+from phasescope.client.client import Client
+from phasescope.engine.default_model import ensure_default_model
 from support.otlp import OtlpReceiver
 from support.servers import ServerProcess
 
@@ -61,6 +61,6 @@ def server(start_server: Callable[..., ServerProcess], otlp_receiver: OtlpReceiv
 
 
 @pytest.fixture
-def client(server: ServerProcess) -> Iterator[PhasescopeClient]:
+def client(server: ServerProcess) -> Iterator[Client]:
     with server.client() as c:
         yield c

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server.client import Credentials, PhasescopeClient, build_request
+from phasescope.client.client import Client, Credentials, build_request
 from support.certs import CertificateAuthority
 from support.servers import ServerProcess
 
@@ -43,7 +43,7 @@ def secure_server(start_server: Callable[..., ServerProcess], pki: dict[str, Pat
         wait=False,
     )  # fmt: skip
     # The plaintext health probe of ServerProcess cannot talk TLS: wait with real credentials.
-    with PhasescopeClient(server.address, timeout_seconds=2, credentials=credentials(pki)) as client:
+    with Client(server.address, timeout_seconds=2, credentials=credentials(pki)) as client:
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
             assert server.process.poll() is None, server.log_tail()
@@ -66,7 +66,7 @@ def credentials(pki: dict[str, Path], *, token: str | None = None, client: str |
 
 
 def generate(server: ServerProcess, creds: Credentials | None) -> str | grpc.StatusCode:
-    with PhasescopeClient(server.address, timeout_seconds=30, credentials=creds) as client:
+    with Client(server.address, timeout_seconds=30, credentials=creds) as client:
         try:
             return client.generate(build_request(prompt="hello", max_tokens=2, ignore_eos=True)).text
         except grpc.RpcError as exc:
@@ -93,7 +93,7 @@ def test_clients_without_the_right_certificate_cannot_connect(
 
 
 def test_health_stays_open_for_probes_without_a_token(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
-    with PhasescopeClient(secure_server.address, timeout_seconds=10, credentials=credentials(pki)) as client:
+    with Client(secure_server.address, timeout_seconds=10, credentials=credentials(pki)) as client:
         assert client.health() == "SERVING"
         with pytest.raises(grpc.RpcError) as caught:
             client.model_info()
@@ -103,10 +103,8 @@ def test_health_stays_open_for_probes_without_a_token(secure_server: ServerProce
 def test_one_caller_at_its_limit_does_not_hold_back_another(secure_server: ServerProcess, pki: dict[str, Path]) -> None:
     rejected_before = secure_server.sample_sum("phasescope_requests_rejected_total", reason="client_limit")
     with (
-        PhasescopeClient(secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=TOKEN)) as one,
-        PhasescopeClient(
-            secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=OTHER_TOKEN)
-        ) as two,
+        Client(secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=TOKEN)) as one,
+        Client(secure_server.address, timeout_seconds=120, credentials=credentials(pki, token=OTHER_TOKEN)) as two,
     ):
         long = one.generate_stream(build_request(prompt="A long story:", max_tokens=1500, ignore_eos=True))
         next(long)  # the caller's one request is in flight
@@ -129,12 +127,12 @@ def test_watching_telemetry_obeys_the_same_tls_and_tokens(secure_server: ServerP
     from phasescope.v1 import inference_pb2 as pb
 
     request = pb.WatchTelemetryRequest(interval_seconds=0.25)
-    with PhasescopeClient(secure_server.address, timeout_seconds=30, credentials=credentials(pki, token=TOKEN)) as ok:
+    with Client(secure_server.address, timeout_seconds=30, credentials=credentials(pki, token=TOKEN)) as ok:
         snapshots = ok.watch_telemetry(request)
         snapshot = next(snapshots)
         snapshots.cancel()  # type: ignore[attr-defined]  # the call object is also a grpc.Future
     assert snapshot.engines
-    anonymous = PhasescopeClient(secure_server.address, timeout_seconds=30, credentials=credentials(pki))
+    anonymous = Client(secure_server.address, timeout_seconds=30, credentials=credentials(pki))
     with anonymous, pytest.raises(grpc.RpcError) as caught:
         next(anonymous.watch_telemetry(request))
     assert caught.value.code() is grpc.StatusCode.UNAUTHENTICATED
@@ -150,7 +148,7 @@ def test_phasescope_top_once_over_mutual_tls_with_a_token(
     token_file.write_text(TOKEN)
     tls = ["--ca-file", str(pki["ca"]), "--client-cert", str(pki["client_cert"])]
     tls += ["--client-key", str(pki["client_key"])]
-    command = [sys.executable, "-m", "server", "top", "--address", secure_server.address, *tls, "--once"]
+    command = [sys.executable, "-m", "phasescope", "top", "--address", secure_server.address, *tls, "--once"]
     served = subprocess.run([*command, "--token-file", str(token_file)], capture_output=True, text=True, timeout=120)
     assert served.returncode == 0, served.stderr
     assert "engine 0" in served.stdout

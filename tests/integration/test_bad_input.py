@@ -5,13 +5,13 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from server.client import PhasescopeClient, build_request
+from phasescope.client.client import Client, build_request
 from support.bad_input import BAD_REQUESTS, raw_call
 from support.servers import ServerProcess
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS)
-def test_bad_request_is_invalid_argument_naming_the_field(client: PhasescopeClient, case: str) -> None:
+def test_bad_request_is_invalid_argument_naming_the_field(client: Client, case: str) -> None:
     request, field = BAD_REQUESTS[case]
     for call in (client.generate, lambda r: list(client.generate_stream(r))):
         with pytest.raises(grpc.RpcError) as caught:
@@ -32,7 +32,7 @@ def test_undecodable_bytes_are_refused(server: ServerProcess) -> None:
     assert code is grpc.StatusCode.INVALID_ARGUMENT
 
 
-def test_server_keeps_serving_and_counts_the_rejections(server: ServerProcess, client: PhasescopeClient) -> None:
+def test_server_keeps_serving_and_counts_the_rejections(server: ServerProcess, client: Client) -> None:
     before = server.sample_sum("phasescope_requests_rejected_total", reason="invalid_argument")
     with pytest.raises(grpc.RpcError):
         client.generate(build_request(prompt="hi", top_p=2.0))
@@ -46,7 +46,7 @@ def test_server_keeps_serving_and_counts_the_rejections(server: ServerProcess, c
     assert server.health() == "SERVING"
 
 
-def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(client: PhasescopeClient) -> None:
+def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(client: Client) -> None:
     with pytest.raises(grpc.RpcError) as caught:
         client.generate(build_request(prompt="x" * 2**20))
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT

@@ -10,7 +10,7 @@ import grpc
 import psutil
 import pytest
 
-from server.client import build_request
+from phasescope.client.client import build_request
 from support.servers import ServerProcess
 
 

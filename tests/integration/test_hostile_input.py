@@ -15,8 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from phasescope.client.client import Client, build_request
 from phasescope.v1 import inference_pb2 as pb
-from server.client import PhasescopeClient, build_request
 from support.bad_input import INVALID, MAX_MODEL_LEN, raw_call
 from support.servers import ServerProcess
 
@@ -62,7 +62,7 @@ def test_hostile_bytes_get_a_precise_status(server: ServerProcess, case: str) ->
     assert raw_call(server, data)[0] is expected
 
 
-def test_prompt_exactly_at_the_limit_is_served(client: PhasescopeClient) -> None:
+def test_prompt_exactly_at_the_limit_is_served(client: Client) -> None:
     # 2047 prompt tokens leave room for exactly one output token.
     response = client.generate(build_request(token_ids=[42] * (MAX_MODEL_LEN - 1), max_tokens=1))
     assert response.usage.completion_tokens == 1
@@ -113,12 +113,12 @@ def to_request(values: tuple[object, ...]) -> pb.GenerateRequest:
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
 @given(values=fuzzed_requests)
-def test_fuzzed_requests_never_fail_internally(client: PhasescopeClient, values: tuple[object, ...]) -> None:
+def test_fuzzed_requests_never_fail_internally(client: Client, values: tuple[object, ...]) -> None:
     outcome = status_of(client, to_request(values))
     assert outcome in {grpc.StatusCode.OK, INVALID, grpc.StatusCode.RESOURCE_EXHAUSTED}, outcome
 
 
-def status_of(client: PhasescopeClient, request: pb.GenerateRequest) -> grpc.StatusCode:
+def status_of(client: Client, request: pb.GenerateRequest) -> grpc.StatusCode:
     try:
         client.generate(request)
     except grpc.RpcError as exc:
@@ -127,9 +127,7 @@ def status_of(client: PhasescopeClient, request: pb.GenerateRequest) -> grpc.Sta
     return grpc.StatusCode.OK
 
 
-def test_after_all_of_it_the_server_is_healthy_and_the_engine_idle(
-    server: ServerProcess, client: PhasescopeClient
-) -> None:
+def test_after_all_of_it_the_server_is_healthy_and_the_engine_idle(server: ServerProcess, client: Client) -> None:
     assert server.process.poll() is None
     assert server.health() == "SERVING"
     assert server.wait_engine_idle(timeout=10) == {"running": 0, "waiting": 0, "in_flight": 0}

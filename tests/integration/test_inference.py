@@ -11,14 +11,14 @@ import grpc
 import pytest
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
+from phasescope.client.client import AsyncClient, Client, build_request
 from phasescope.v1 import inference_pb2 as pb
-from server.client import AsyncPhasescopeClient, PhasescopeClient, build_request
 from support.servers import ServerProcess
 
 CAPITAL = [("user", "What is the capital of France?")]
 
 
-def test_greedy_chat_answers_paris(client: PhasescopeClient) -> None:
+def test_greedy_chat_answers_paris(client: Client) -> None:
     response = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=32))
     assert "Paris" in response.text
     assert response.finish_reason == pb.FINISH_REASON_STOP
@@ -26,7 +26,7 @@ def test_greedy_chat_answers_paris(client: PhasescopeClient) -> None:
     assert response.usage.prompt_tokens == len(client.tokenize(chat=CAPITAL))
 
 
-def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: PhasescopeClient) -> None:
+def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: Client) -> None:
     request = build_request(
         chat=[("user", "Write a short poem about the sea.")], temperature=0.8, seed=1234, max_tokens=24
     )
@@ -40,7 +40,7 @@ def test_stream_comes_in_several_chunks_that_add_up_to_the_unary_answer(client: 
     assert chunks[-1].usage.completion_tokens == len(unary.token_ids)
 
 
-def test_token_ids_only_streams_the_same_ids_without_text(client: PhasescopeClient) -> None:
+def test_token_ids_only_streams_the_same_ids_without_text(client: Client) -> None:
     with_text = build_request(chat=CAPITAL, temperature=0.0, max_tokens=16, ignore_eos=True)
     ids_only = build_request(chat=CAPITAL, temperature=0.0, max_tokens=16, ignore_eos=True, token_ids_only=True)
     expected = client.generate(with_text)
@@ -64,7 +64,7 @@ def test_token_ids_only_streams_the_same_ids_without_text(client: PhasescopeClie
     assert "token_ids_only" in (refused.value.details() or "")
 
 
-def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(client: PhasescopeClient) -> None:
+def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(client: Client) -> None:
     one_by_one = build_request(chat=CAPITAL, temperature=0.0, max_tokens=10, ignore_eos=True)
     chunked = build_request(chat=CAPITAL, temperature=0.0, max_tokens=10, ignore_eos=True, stream_interval=4)
     expected = [t for chunk in client.generate_stream(one_by_one) for t in chunk.token_ids]
@@ -81,7 +81,7 @@ def test_a_stream_interval_sends_the_first_token_alone_then_chunks_of_that_many(
         assert chunks[-1].timings.decode_seconds > 0
 
 
-def test_timings_come_from_the_engine_and_add_up(client: PhasescopeClient) -> None:
+def test_timings_come_from_the_engine_and_add_up(client: Client) -> None:
     response = client.generate(build_request(prompt="Count to twenty:", max_tokens=16, ignore_eos=True))
     t = response.timings
     assert response.usage.completion_tokens == 16
@@ -98,7 +98,7 @@ def test_timings_come_from_the_engine_and_add_up(client: PhasescopeClient) -> No
     assert t.decode_tokens_per_second == pytest.approx(15 / t.decode_seconds, rel=1e-6)
 
 
-def test_stream_delivers_tokens_before_the_request_ends(client: PhasescopeClient) -> None:
+def test_stream_delivers_tokens_before_the_request_ends(client: Client) -> None:
     arrivals: list[float] = []
     for _ in client.generate_stream(build_request(prompt="Tell me a story.", max_tokens=24, ignore_eos=True)):
         arrivals.append(time.monotonic())
@@ -107,7 +107,7 @@ def test_stream_delivers_tokens_before_the_request_ends(client: PhasescopeClient
     assert arrivals[-1] - arrivals[0] > 0
 
 
-def test_cancelled_stream_frees_the_engine(server: ServerProcess, client: PhasescopeClient) -> None:
+def test_cancelled_stream_frees_the_engine(server: ServerProcess, client: Client) -> None:
     cancelled_before = server.sample_sum("phasescope_requests_total", code="CANCELLED")
     stream = client.generate_stream(build_request(prompt="Tell me a long story.", max_tokens=1000, ignore_eos=True))
     for received, _ in enumerate(stream, start=1):
@@ -151,20 +151,20 @@ def test_concurrent_streams_are_all_served(server: ServerProcess) -> None:
     assert len(results) == 6
 
 
-def test_tokenize_agrees_with_prompt_usage(client: PhasescopeClient) -> None:
+def test_tokenize_agrees_with_prompt_usage(client: Client) -> None:
     ids = client.tokenize(text="The quick brown fox")
     assert ids
     response = client.generate(build_request(token_ids=ids, max_tokens=2))
     assert response.usage.prompt_tokens == len(ids)
 
 
-def test_tokenize_counts_a_document_longer_than_the_context(client: PhasescopeClient) -> None:
+def test_tokenize_counts_a_document_longer_than_the_context(client: Client) -> None:
     # Counting is not generating: Tokenize takes any text the message size allows.
     ids = client.tokenize(text="word " * 100_000)
     assert len(ids) >= 100_000  # at least a token per word, far past the 2,048-token context
 
 
-def test_model_info_describes_the_default_model(client: PhasescopeClient) -> None:
+def test_model_info_describes_the_default_model(client: Client) -> None:
     info = client.model_info()
     assert info.model_name == "SmolLM2-135M-Instruct"
     assert info.max_context_length == 2048
@@ -187,7 +187,7 @@ def test_model_info_describes_the_default_model(client: PhasescopeClient) -> Non
     assert info.device
 
 
-def test_chat_tokenize_renders_the_chat_template(client: PhasescopeClient) -> None:
+def test_chat_tokenize_renders_the_chat_template(client: Client) -> None:
     plain = client.tokenize(text="What is the capital of France?")
     chat = client.tokenize(chat=CAPITAL)
     # The template wraps the message in role markers (and SmolLM2's default system turn).
@@ -196,7 +196,7 @@ def test_chat_tokenize_renders_the_chat_template(client: PhasescopeClient) -> No
 
 def test_async_client_streams_and_describes(server: ServerProcess) -> None:
     async def scenario() -> tuple[str, int, str]:
-        async with AsyncPhasescopeClient(server.address, timeout_seconds=120) as client:
+        async with AsyncClient(server.address, timeout_seconds=120) as client:
             text = ""
             async for chunk in client.generate_stream(build_request(chat=CAPITAL, temperature=0.0, max_tokens=16)):
                 text += chunk.text

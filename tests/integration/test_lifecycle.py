@@ -12,8 +12,8 @@ import grpc
 import psutil
 import pytest
 
+from phasescope.client.client import build_request
 from phasescope.v1 import inference_pb2 as pb
-from server.client import build_request
 from support.servers import ServerProcess
 
 LONG = build_request(prompt="Tell me everything about the sea.", max_tokens=400, ignore_eos=True)

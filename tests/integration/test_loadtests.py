@@ -14,8 +14,8 @@ from pathlib import Path
 
 import psutil
 
+from phasescope.telemetry.step.verdict import VERDICTS
 from support.servers import ServerProcess
-from telemetry.verdict import VERDICTS
 
 ROOT = Path(__file__).resolve().parents[2]
 LOCUST = Path(sys.executable).parent / "locust"
@@ -60,7 +60,7 @@ def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_pa
     out = tmp_path / "bench"
     result = subprocess.run(
         [
-            sys.executable, "-m", "server", "bench", "--address", server.address,
+            sys.executable, "-m", "phasescope", "bench", "--address", server.address,
             "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics",
             "--concurrency", "2", "--rates", "4", "--requests", "3", "--warmup", "1", "--max-tokens", "8",
             "--output-dir", str(out),
@@ -94,7 +94,7 @@ def test_bench_sweep_with_an_slo_and_repeats_reports_goodput_spread_and_the_hard
 ) -> None:
     out = tmp_path / "bench"
     command = [
-        sys.executable, "-m", "server", "bench", "--address", server.address,
+        sys.executable, "-m", "phasescope", "bench", "--address", server.address,
         "--metrics-url", f"http://127.0.0.1:{server.metrics_port}/metrics",
         "--concurrency", "1", "--rates", "4", "--requests", "3", "--warmup", "1", "--max-tokens", "8",
         "--repeats", "2", "--slo", "ttft_ms=60000,tpot_ms=60000", "--output-dir", str(out),
@@ -149,7 +149,7 @@ def test_bench_sweep_with_an_slo_and_repeats_reports_goodput_spread_and_the_hard
 def test_bench_tiny_model_starts_its_own_server_and_takes_bursts(tmp_path: Path) -> None:
     out = tmp_path / "bench"
     command = [
-        sys.executable, "-m", "server", "bench", "--tiny-model", "--concurrency", "4", "--bursts", "8",
+        sys.executable, "-m", "phasescope", "bench", "--tiny-model", "--concurrency", "4", "--bursts", "8",
         "--requests", "16", "--warmup", "2", "--max-tokens", "16", "--max-num-seqs", "16", "--max-model-len", "512",
         "--kv-cache-gib", "0.25", "--token-ids-only", "--no-token-times", "--pin-cpus", "--output-dir", str(out),
     ]  # fmt: skip
@@ -179,7 +179,7 @@ def test_a_terminated_bench_stops_the_server_and_engine_it_started(tmp_path: Pat
     # spinning on the machine's cores.
     out, log = tmp_path / "bench", tmp_path / "bench.log"
     command = [
-        sys.executable, "-m", "server", "bench", "--tiny-model", "--concurrency", "2", "--requests", "5000",
+        sys.executable, "-m", "phasescope", "bench", "--tiny-model", "--concurrency", "2", "--requests", "5000",
         "--warmup", "0", "--max-tokens", "64", "--max-num-seqs", "4", "--max-model-len", "512",
         "--kv-cache-gib", "0.25", "--no-token-times", "--output-dir", str(out),
     ]  # fmt: skip

@@ -7,16 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from server.client import PhasescopeClient, build_request
+from phasescope.client.client import Client, build_request
 from support.servers import ServerProcess
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "metrics.md"
 PHASES = ("queue", "prefill", "decode")
 
 
-def test_n_requests_land_in_the_phase_histograms_and_token_counters(
-    server: ServerProcess, client: PhasescopeClient
-) -> None:
+def test_n_requests_land_in_the_phase_histograms_and_token_counters(server: ServerProcess, client: Client) -> None:
     def snapshot() -> dict[str, float]:
         values = {phase: server.sample_sum("phasescope_request_phase_seconds_count", phase=phase) for phase in PHASES}
         for phase in PHASES:
@@ -55,7 +53,7 @@ def test_n_requests_land_in_the_phase_histograms_and_token_counters(
     assert after["itl"] - before["itl"] == completion_tokens - n
 
 
-def test_every_exported_series_is_documented(server: ServerProcess, client: PhasescopeClient) -> None:
+def test_every_exported_series_is_documented(server: ServerProcess, client: Client) -> None:
     client.generate(build_request(prompt="hi", max_tokens=2))
     exported = set(re.findall(r"^# TYPE (phasescope_\w+) ", server.metrics_text(), flags=re.MULTILINE))
     assert exported

@@ -5,16 +5,14 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from server.client import PhasescopeClient, build_request, new_traceparent
+from phasescope.client.client import Client, build_request, new_traceparent
 from support.otlp import OtlpReceiver
 from support.servers import ServerProcess
 
 MARKER = "quokka-marker-5521"
 
 
-def test_marker_text_appears_nowhere(
-    server: ServerProcess, client: PhasescopeClient, otlp_receiver: OtlpReceiver
-) -> None:
+def test_marker_text_appears_nowhere(server: ServerProcess, client: Client, otlp_receiver: OtlpReceiver) -> None:
     traceparent, trace_id = new_traceparent()
     chat = [("user", f"Repeat exactly: {MARKER} {MARKER}")]
     response = client.generate(build_request(chat=chat, max_tokens=24, temperature=0.0), traceparent=traceparent)

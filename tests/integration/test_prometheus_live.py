@@ -15,7 +15,7 @@ import grpc
 import pytest
 import yaml
 
-from server.client import PhasescopeClient, build_request
+from phasescope.client.client import Client, build_request
 from support.prometheus import PrometheusServer, render_adapter_query
 from support.servers import ServerProcess
 
@@ -176,7 +176,7 @@ def test_prometheus_adapter_rules_find_the_pod_and_serve_its_metrics(prometheus:
         assert math.isfinite(float(result[0]["value"][1])), name
 
 
-def test_live_metrics_pass_promtool_lint(server: ServerProcess, client: PhasescopeClient) -> None:
+def test_live_metrics_pass_promtool_lint(server: ServerProcess, client: Client) -> None:
     promtool = shutil.which("promtool")
     assert promtool, "promtool is not installed: run `make setup`"
     client.generate(build_request(prompt="lint", max_tokens=2))

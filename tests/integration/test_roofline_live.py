@@ -8,10 +8,10 @@ import time
 
 import pytest
 
-from server.cli import main
-from server.client import build_request
+from phasescope.cli.main import main
+from phasescope.client.client import build_request
+from phasescope.telemetry.exposition import Samples, sum_samples
 from support.servers import WINDOW_SECONDS, ServerProcess
-from telemetry.exposition import Samples, sum_samples
 
 STREAMS = 6
 

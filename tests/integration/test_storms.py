@@ -9,7 +9,7 @@ from concurrent.futures import ThreadPoolExecutor
 import grpc
 import psutil
 
-from server.client import build_request
+from phasescope.client.client import build_request
 from support.servers import ServerProcess
 
 

@@ -13,9 +13,9 @@ import time
 import grpc
 import pytest
 
-from server.client import build_request
+from phasescope.client.client import build_request
+from phasescope.telemetry.exposition import Samples, sum_samples
 from support.servers import WINDOW_SECONDS, ServerProcess
-from telemetry.exposition import Samples, sum_samples
 
 IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
 

@@ -16,10 +16,10 @@ from pathlib import Path
 import grpc
 import pytest
 
-from server.client import build_request
+from phasescope.client.client import build_request
 from support.servers import ROOT, ServerProcess
 
-TOP = [sys.executable, "-m", "server", "top"]
+TOP = [sys.executable, "-m", "phasescope", "top"]
 WAIT_SECONDS = 30.0
 
 Tmux = Callable[..., subprocess.CompletedProcess[str]]

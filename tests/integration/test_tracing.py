@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from opentelemetry.proto.trace.v1 import trace_pb2
 
-from server.client import PhasescopeClient, build_request, new_traceparent
+from phasescope.client.client import Client, build_request, new_traceparent
 from support.otlp import OtlpReceiver
 from support.servers import ServerProcess
 
@@ -19,7 +19,7 @@ def seconds(span: trace_pb2.Span) -> float:
 
 
 def test_streamed_request_continues_the_callers_trace_with_its_stage_spans(
-    client: PhasescopeClient, otlp_receiver: OtlpReceiver
+    client: Client, otlp_receiver: OtlpReceiver
 ) -> None:
     traceparent, trace_id = new_traceparent()
     caller_span_id = bytes.fromhex(traceparent.split("-")[2])
@@ -51,7 +51,7 @@ def test_streamed_request_continues_the_callers_trace_with_its_stage_spans(
     assert attributes["gen_ai.request.model"].string_value == "SmolLM2-135M-Instruct"
 
 
-def test_cancelled_request_span_has_an_error_status(client: PhasescopeClient, otlp_receiver: OtlpReceiver) -> None:
+def test_cancelled_request_span_has_an_error_status(client: Client, otlp_receiver: OtlpReceiver) -> None:
     traceparent, trace_id = new_traceparent()
     stream = client.generate_stream(
         build_request(prompt="Cancel me:", max_tokens=500, ignore_eos=True), traceparent=traceparent
@@ -67,7 +67,7 @@ def test_cancelled_request_span_has_an_error_status(client: PhasescopeClient, ot
     assert any(event.name == "exception" for event in request_span.events)
 
 
-def test_phase_histograms_carry_the_trace_id_as_exemplar(server: ServerProcess, client: PhasescopeClient) -> None:
+def test_phase_histograms_carry_the_trace_id_as_exemplar(server: ServerProcess, client: Client) -> None:
     traceparent, trace_id = new_traceparent()
     client.generate(build_request(prompt="Exemplar:", max_tokens=4, ignore_eos=True), traceparent=traceparent)
     openmetrics = server.metrics_text(openmetrics=True)

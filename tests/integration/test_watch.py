@@ -9,10 +9,10 @@ import random
 import grpc
 import pytest
 
+from phasescope.client.client import build_request
+from phasescope.telemetry.exposition import sum_samples
 from phasescope.v1 import inference_pb2 as pb
-from server.client import build_request
 from support.servers import ServerProcess
-from telemetry.exposition import sum_samples
 
 IDLE = {"running": 0, "waiting": 0, "in_flight": 0}
 

@@ -10,8 +10,8 @@ import math
 
 import grpc
 
+from phasescope.client.client import build_request
 from phasescope.v1 import inference_pb2 as pb
-from server.client import build_request
 from support.servers import ServerProcess
 
 MAX_MODEL_LEN = 2048  # support.servers.BASE_ARGS

@@ -3,7 +3,7 @@
 Each request plays a `Script`: a list of steps (tokens with the engine's
 timestamps), optionally a failure after some steps, or a pause that only a
 cancel ends. Timestamps are `time.monotonic()` readings taken as each step is
-played, so they sit on the clock the servicer uses (telemetry.phases). The
+played, so they sit on the clock the servicer uses (phasescope.telemetry.request.phases). The
 engine records which requests were aborted (their step stream closed early)
 and which ran to the end, as vLLM's request table would.
 """
@@ -15,11 +15,11 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from server.engine import EngineStep, ModelDescription
-from server.errors import InvalidRequestError
-from server.validation import ModelLimits, ParsedInput, SamplingSpec
-from telemetry.model_cost import model_cost_from_config
-from telemetry.phases import EngineTimestamps
+from phasescope.engine.base import EngineStep, ModelDescription
+from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.errors import InvalidRequestError
+from phasescope.telemetry.model.cost import model_cost_from_config
+from phasescope.telemetry.request.phases import EngineTimestamps
 
 CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
 VOCABULARY = 1_000
@@ -44,7 +44,7 @@ class Script:
 
 
 class ScriptedEngine:
-    """Implements `server.engine.Engine`; `script_for` picks each request's script by its prompt."""
+    """Implements `phasescope.engine.base.Engine`; `script_for` picks each request's script by its prompt."""
 
     def __init__(
         self,

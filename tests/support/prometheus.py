@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from loadtests.harness import free_port
+from phasescope.bench.harness import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"

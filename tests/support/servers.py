@@ -1,6 +1,6 @@
 """Real `phasescope serve` processes for integration tests, on free ports, with real vLLM inside.
 
-A thin layer over the harness the benchmarks use (`loadtests.harness`): every
+A thin layer over the harness the benchmarks use (`phasescope.bench.harness`): every
 server runs in its own process group, so stopping it also ends its engine-core
 processes, even when a test fails.
 """
@@ -10,9 +10,9 @@ from __future__ import annotations
 import urllib.request
 from pathlib import Path
 
-from loadtests.harness import PhasescopeProcess, StartError
-from server.client import PhasescopeClient
-from telemetry.exposition import sum_samples
+from phasescope.bench.harness import PhasescopeProcess, StartError
+from phasescope.client.client import Client
+from phasescope.telemetry.exposition import sum_samples
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0
@@ -38,8 +38,8 @@ class ServerProcess(PhasescopeProcess):
         except StartError as exc:
             raise StartError(f"{exc}:\n{self.log_tail()}") from exc
 
-    def client(self, timeout_seconds: float | None = 120) -> PhasescopeClient:
-        return PhasescopeClient(self.address, timeout_seconds=timeout_seconds)
+    def client(self, timeout_seconds: float | None = 120) -> Client:
+        return Client(self.address, timeout_seconds=timeout_seconds)
 
     def metrics_text(self, openmetrics: bool = False) -> str:
         request = urllib.request.Request(self.metrics_url)

@@ -26,5 +26,5 @@ def test_generated_protobuf_code_is_fresh(tmp_path: Path) -> None:
     )  # fmt: skip
     generated = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("*") if p.is_file())
     assert generated
-    stale = [str(path) for path in generated if (PROTO / path).read_bytes() != (tmp_path / path).read_bytes()]
+    stale = [str(path) for path in generated if (ROOT / path).read_bytes() != (tmp_path / path).read_bytes()]
     assert not stale, f"generated code is stale; run `make proto`: {stale}"

@@ -1,0 +1,39 @@
+"""`phasescope bench`: how much load a replica takes within its SLO, and what the hardware does at that point.
+
+Load shapes: fixed concurrency (closed loop: C clients, each sends its next request when
+the last one ends) and Poisson arrivals (open loop: exponential gaps at a given rate).
+Every point sends `--warmup` requests first (excluded), then `--requests` measured ones,
+`--repeats` times with a seed per run; the workload (prompt and output length
+distributions, a shared prefix, a prompts file, prompt or chat) is seeded, and the
+results hold the exact command and every parameter.
+
+Definitions (the formulas are printed with the results, `summary.FORMULAS`):
+  TTFT  = first streamed token − send
+  TPOT  = (E2E − TTFT) ÷ (output tokens − 1), per request
+  ITL   = every gap between consecutive token arrivals, pooled over requests
+  E2E   = last token − send
+  output_throughput = Σ output tokens ÷ duration; total_token_throughput adds prompt tokens
+  goodput: requests that met every --slo objective (vLLM's `request_goodput` ÷ duration)
+  front-end CPU = user + system seconds of the serving front-end process only
+                  (not its engine-core processes) per 1,000 streamed tokens
+
+What a run can do: a sweep of fixed points (a rate sweep stops at the first
+over-saturated point), or an SLA search for the highest rate or concurrency whose
+goodput ratio meets a target. `--compare` runs the same workload against (a) vLLM's
+AsyncLLM in this process, (b) vLLM's OpenAI server and (c) phasescope, interleaved point
+by point, and prints phasescope ÷ in-process and phasescope ÷ OpenAI server at every point.
+
+Modules, one job each: `config` (the run's typed configuration from the flags, which
+`phasescope.cli.bench` defines), `workload` (requests and their records), `slo`
+(objectives and goodput), `targets` (what is streamed from), `launch` (starting the
+servers, through `phasescope.bench.harness`), `loop` (runs, points across targets and repeats,
+sweeps and searches), `search` (the bracketing SLA search), `saturation` (over-saturation
+within a run), `spread` (a point over its repeats), `summary` (one run's statistics),
+`hardware` (the server's view from /metrics), `plots`, `report` (report.md and the
+printed tables) and `runner` (a whole run, and what it writes).
+"""
+
+from phasescope.bench.launch import EngineSettings, start_phasescope
+from phasescope.bench.runner import main
+
+__all__ = ["EngineSettings", "main", "start_phasescope"]

@@ -1,0 +1,200 @@
+"""A bench run's configuration: one typed object, built and validated once from the command line.
+
+Everything that determines what a run sends is here, and all of it is written into the
+results (`parameters`), so a run is reproduced from its results file alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from phasescope.bench.slo import SloError, parse_slo
+from phasescope.bench.workload import (
+    DatasetPrompt,
+    LengthDistribution,
+    WorkloadError,
+    WorkloadSpec,
+    file_sha256,
+    read_dataset,
+)
+
+LOADS = ("concurrency", "rate", "burst")
+APIS = ("prompt", "chat")
+
+
+class ConfigError(ValueError):
+    """Flags that do not make a run; the message is one line for the operator."""
+
+
+@dataclass(frozen=True)
+class BenchConfig:
+    points: tuple[tuple[str, float], ...]
+    """The sweep's (load, value) points in order: concurrency points, then rates; empty in a search."""
+    requests: int
+    """Measured requests per run."""
+    warmup: int
+    """Requests before each point's first run (per target), excluded from the figures."""
+    repeats: int
+    """Runs per point, each with its own seed; figures are the median over them, with min and max."""
+    seed: int
+    """The base seed: every run's seed is derived from it, the point and the repeat."""
+    workload: WorkloadSpec
+    api: str
+    """`prompt` (a completion) or `chat` (the prompt as one user message, through the chat template)."""
+    token_ids_only: bool = False
+    """phasescope's requests ask for token ids without text (the other targets always detokenise)."""
+    slo: dict[str, float] = field(default_factory=dict)
+    """Objectives in milliseconds, any of ttft_ms, tpot_ms, e2e_ms."""
+    sla_search: str | None = None
+    """`rate` or `concurrency`: search for the highest load whose goodput ratio meets `goodput_target`."""
+    goodput_target: float = 0.99
+    max_points: int = 8
+    """The search's budget of points (each run `repeats` times)."""
+    search_start: float = 1.0
+    search_factor: float = 2.0
+    search_tolerance: float = 0.1
+    saturation_stop: bool = True
+    """Stop a target's rate sweep at the first over-saturated point (phasescope.bench.saturation)."""
+    token_times: bool = True
+    """Keep every token's arrival time in the per-request records (off: TTFT, TPOT and E2E only)."""
+    scrape_interval: float = 2.0
+    """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
+    pin_cpus: bool = False
+    """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
+    compare: bool = False
+    address: str | None = None
+    metrics_url: str | None = None
+    output_dir: Path = Path("loadtests/results/bench")
+    prompts_file: str | None = None
+    prompts_file_sha256: str | None = None
+    command: str = ""
+    """The command line that ran, to rerun it."""
+
+    def parameters(self) -> dict[str, Any]:
+        """Every parameter, as written into the results."""
+        return {
+            "points": [list(point) for point in self.points],
+            "requests": self.requests,
+            "warmup": self.warmup,
+            "repeats": self.repeats,
+            "seed": self.seed,
+            "prompt_tokens": self.workload.prompt_tokens.describe(),
+            "max_tokens": self.workload.output_tokens.describe(),
+            "shared_prefix_tokens": self.workload.shared_prefix_tokens,
+            "prompts_file": self.prompts_file,
+            "prompts_file_sha256": self.prompts_file_sha256,
+            "api": self.api,
+            "token_ids_only": self.token_ids_only,
+            "slo": self.slo,
+            "sla_search": self.sla_search,
+            "goodput_target": self.goodput_target,
+            "max_points": self.max_points,
+            "search_start": self.search_start,
+            "search_factor": self.search_factor,
+            "search_tolerance": self.search_tolerance,
+            "saturation_stop": self.saturation_stop,
+            "token_times": self.token_times,
+            "scrape_interval": self.scrape_interval,
+            "pin_cpus": self.pin_cpus,
+            "compare": self.compare,
+            "address": self.address,
+            "metrics_url": self.metrics_url,
+            "output_dir": str(self.output_dir),
+        }
+
+
+def _values(text: str, flag: str, kind: type[float] | type[int]) -> list[float]:
+    try:
+        values = [float(kind(item)) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise ConfigError(f"{flag}: {text!r} is not a comma-separated list of {kind.__name__}s") from None
+    if any(not value > 0 for value in values):
+        raise ConfigError(f"{flag}: every value must be positive, got {text!r}")
+    return values
+
+
+def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:
+    """The run's configuration, or ConfigError naming the flag that is wrong."""
+    try:
+        slo = parse_slo(args.slo) if args.slo else {}
+    except SloError as exc:
+        raise ConfigError(f"--slo: {exc}") from exc
+    try:
+        prompt_tokens = LengthDistribution.parse(args.prompt_tokens)
+    except WorkloadError as exc:
+        raise ConfigError(f"--prompt-tokens: {exc}") from exc
+    try:
+        output_tokens = LengthDistribution.parse(str(args.max_tokens))
+    except WorkloadError as exc:
+        raise ConfigError(f"--max-tokens: {exc}") from exc
+    dataset: tuple[DatasetPrompt, ...] = ()
+    digest = None
+    if args.prompts_file:
+        try:
+            dataset, digest = tuple(read_dataset(Path(args.prompts_file))), file_sha256(Path(args.prompts_file))
+        except WorkloadError as exc:
+            raise ConfigError(f"--prompts-file: {exc}") from exc
+    for flag, value, least in (("--requests", args.requests, 1), ("--warmup", args.warmup, 0),
+                               ("--repeats", args.repeats, 1), ("--max-points", args.max_points, 1),
+                               ("--shared-prefix-tokens", args.shared_prefix_tokens, 0)):  # fmt: skip
+        if value < least:
+            raise ConfigError(f"{flag} must be ≥ {least}, got {value}")
+    points: list[tuple[str, float]] = []
+    if args.sla_search:
+        if not slo:
+            raise ConfigError("--sla-search needs --slo (the objectives the goodput ratio counts)")
+        if not 0 < args.goodput_target <= 1:
+            raise ConfigError(f"--goodput-target must be in (0, 1], got {args.goodput_target}")
+        if not (args.search_start > 0 and args.search_factor > 1 and args.search_tolerance > 0):
+            raise ConfigError("--search-start must be > 0, --search-factor > 1 and --search-tolerance > 0")
+    else:
+        points = [("concurrency", c) for c in _values(args.concurrency, "--concurrency", int)]
+        points += [("rate", r) for r in _values(args.rates, "--rates", float)]
+        points += [("burst", b) for b in _values(getattr(args, "bursts", ""), "--bursts", int)]
+        if not points:
+            raise ConfigError("give at least one --concurrency, --rates or --bursts point, or --sla-search")
+    if args.metrics_url and not args.address:
+        raise ConfigError("--metrics-url goes with --address (a server started here is read on its own)")
+    scrape_interval = getattr(args, "scrape_interval", 2.0)
+    if not scrape_interval >= 0:
+        raise ConfigError(f"--scrape-interval must be ≥ 0 seconds, got {scrape_interval}")
+    if getattr(args, "stream_interval", 1) < 1:
+        raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
+    if getattr(args, "tiny_model", False) and args.model:
+        raise ConfigError("--tiny-model and --model name two models: give one")
+    if getattr(args, "tiny_model", False) and args.address:
+        raise ConfigError("--tiny-model starts the servers it measures; --address serves its own model")
+    argv = sys.argv[1:] if argv is None else argv
+    return BenchConfig(
+        points=tuple(points),
+        requests=args.requests,
+        warmup=args.warmup,
+        repeats=args.repeats,
+        seed=args.seed,
+        workload=WorkloadSpec(prompt_tokens, output_tokens, args.shared_prefix_tokens, dataset, args.seed),
+        api=args.api,
+        token_ids_only=getattr(args, "token_ids_only", False),
+        slo=slo,
+        sla_search=args.sla_search,
+        goodput_target=args.goodput_target,
+        max_points=args.max_points,
+        search_start=args.search_start,
+        search_factor=args.search_factor,
+        search_tolerance=args.search_tolerance,
+        saturation_stop=args.saturation_stop,
+        token_times=args.token_times,
+        scrape_interval=scrape_interval,
+        pin_cpus=getattr(args, "pin_cpus", False),
+        compare=args.compare,
+        address=args.address,
+        metrics_url=args.metrics_url,
+        output_dir=args.output_dir,
+        prompts_file=str(args.prompts_file) if args.prompts_file else None,
+        prompts_file_sha256=digest,
+        command=shlex.join(["phasescope", *argv]),
+    )

@@ -1,0 +1,78 @@
+"""`phasescope generate`: stream an answer to the terminal and print its phase timings."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import TYPE_CHECKING, Any
+
+from phasescope.cli.connection import add_client_parser, credentials
+
+if TYPE_CHECKING:
+    from phasescope.cli import Subparsers
+    from phasescope.v1 import inference_pb2 as pb
+
+
+def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = add_client_parser(subparsers, "generate", "stream an answer to the terminal and print its phase timings")
+    parser.add_argument("text", help="the prompt (or, with --chat, the user's message)")
+    parser.add_argument("--chat", action="store_true", help="send TEXT as a user message through the chat template")
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument(
+        "--token-ids-only",
+        action="store_true",
+        help="ask for token ids without text (the engine skips detokenising); prints the ids",
+    )
+    return parser
+
+
+def format_timings(t: pb.Timings) -> str:
+    return (
+        f"frontend {t.frontend_seconds * 1e3:.1f} ms | intake {t.intake_seconds * 1e3:.1f} ms | "
+        f"queue {t.queue_seconds * 1e3:.1f} ms | prefill {t.prefill_seconds * 1e3:.1f} ms | "
+        f"decode {t.decode_seconds * 1e3:.1f} ms | TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms | "
+        f"e2e {t.e2e_seconds * 1e3:.1f} ms | TPOT {t.mean_inter_token_seconds * 1e3:.1f} ms | "
+        f"decode {t.decode_tokens_per_second:.1f} tok/s"
+    )
+
+
+def cmd(args: argparse.Namespace) -> int:
+    import grpc
+
+    from phasescope.client.client import Client, build_request, new_traceparent
+    from phasescope.v1 import inference_pb2 as pb
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    text: dict[str, Any] = {"chat": [("user", args.text)]} if args.chat else {"prompt": args.text}
+    request = build_request(**text, token_ids_only=args.token_ids_only, **sampling)
+    try:
+        with Client(args.address, timeout_seconds=args.timeout, credentials=credentials(args)) as client:
+            last: pb.GenerateStreamResponse | None = None
+            traceparent, trace_id = new_traceparent()
+            for chunk in client.generate_stream(request, traceparent=traceparent):
+                if args.token_ids_only:
+                    print(" ".join(map(str, chunk.token_ids)), end=" " if chunk.token_ids else "", flush=True)
+                else:
+                    print(chunk.text, end="", flush=True)
+                last = chunk
+    except grpc.RpcError as exc:
+        print(f"\nphasescope generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    print()
+    if last is not None:
+        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
+        print(
+            f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} output tokens, finished: {reason}]",
+            file=sys.stderr,
+        )
+        print(f"[{format_timings(last.timings)}]", file=sys.stderr)
+        print(f"[trace id {trace_id}]", file=sys.stderr)
+    return 0

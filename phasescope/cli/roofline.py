@@ -1,0 +1,323 @@
+"""`phasescope roofline`: the calculator on the command line, with a running server's live points."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from phasescope.telemetry.exposition import Samples, fetch_samples
+from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSource, dtype_family, lookup_device
+from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
+from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
+
+if TYPE_CHECKING:
+    from phasescope.cli import Subparsers
+
+
+def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        "roofline",
+        help="what a model's decode and prefill can reach on a device",
+        description="Decode ceilings per batch size, compute utilisation and idleness, and the batch where decode "
+        "turns compute-bound, from the model's size and the device's datasheet peaks.",
+    )
+    model = parser.add_mutually_exclusive_group(required=True)
+    model.add_argument("--params", type=float, help="parameter count, e.g. 70e9 (no KV-cache or attention terms)")
+    model.add_argument(
+        "--model", help="Hugging Face model folder, a bare config.json, or a hub id already in the local cache"
+    )
+    parser.add_argument("--dtype", default="bf16", help="served dtype: bf16, fp16, fp8, fp32 (default bf16)")
+    parser.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="KV-cache dtype as vLLM takes it: auto (the served dtype, 16-bit for 8-bit weights), fp8, bf16 …",
+    )
+    parser.add_argument(
+        "--tensor-parallel-size", type=int, default=1, help="devices each layer is split over (default 1)"
+    )
+    parser.add_argument(
+        "--pipeline-parallel-size", type=int, default=1, help="devices the layers are divided between (default 1)"
+    )
+    parser.add_argument(
+        "--hardware",
+        help=f"device from the datasheet table: {', '.join(DATASHEET)} (default: the --metrics-url server's "
+        "peaks, else h100-sxm)",
+    )
+    parser.add_argument("--peak-memory-bandwidth", type=float, help="override: peak bytes/s, e.g. 3.35e12")
+    parser.add_argument("--peak-flops", type=float, help="override: peak dense FLOP/s, e.g. 989e12")
+    parser.add_argument(
+        "--parameters-in-checkpoint",
+        type=_parameter_count,
+        help="with --model: parameter count, if no safetensors (e.g. 46.7e9)",
+    )
+    parser.add_argument(
+        "--batch-sizes",
+        default=",".join(map(str, DEFAULT_BATCH_SIZES)),
+        help="comma-separated decode batch sizes (default %(default)s)",
+    )
+    parser.add_argument("--context", type=int, default=0, help="context length per sequence in tokens (default 0)")
+    parser.add_argument("--prompt-tokens", type=int, default=1024, help="prompt length for the prefill estimate")
+    parser.add_argument(
+        "--cost-per-hour",
+        type=float,
+        help="price of one device per hour: adds the cost of a million decoded tokens at each batch size",
+    )
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
+    parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
+    return parser
+
+
+def _parameter_count(text: str) -> int:
+    """A parameter count as a person writes it: 134515008 or 46.7e9."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not value >= 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text!r}")
+    return int(value)
+
+
+def _cost_and_peaks(args: argparse.Namespace, served: HardwarePeaks | None) -> tuple[ModelCost, HardwarePeaks]:
+    """The model's cost and the device's peaks; ValueError names what is missing or unknown.
+
+    `served` are the peaks a running server exports (with --metrics-url): its live points are
+    plotted against them unless --hardware names another device.
+    """
+    if args.tensor_parallel_size < 1 or args.pipeline_parallel_size < 1:
+        raise ValueError("--tensor-parallel-size and --pipeline-parallel-size must be at least 1")
+    if args.hardware is None and served is not None:
+        peaks = served
+    else:
+        name = args.hardware or "h100-sxm"
+        found = lookup_device(name)
+        if found is None:
+            raise ValueError(f"unknown --hardware {name!r}; known: {', '.join(DATASHEET)}")
+        peaks = found
+    if args.params is not None:
+        cost = model_cost_from_numbers(int(args.params), args.dtype)
+    else:
+        cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint, args.kv_cache_dtype)
+    cost = cost.sharded(args.tensor_parallel_size, args.pipeline_parallel_size)
+    peaks = peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
+    peaks.peak_flops(args.dtype)  # a dtype the device has no figure for is refused here, by name
+    return cost, peaks
+
+
+def served_peaks(samples: Samples) -> HardwarePeaks | None:
+    """The peaks a running server judges its engines against, from its /metrics samples."""
+    bandwidth = flops = None
+    dtype = source = device = ""
+    for (name, label_set), value in samples.items():
+        labels = dict(label_set)
+        if name == "phasescope_hardware_peak_memory_bandwidth_bytes_per_second":
+            bandwidth, source = value, labels.get("source", "")
+        elif name == "phasescope_hardware_peak_flops_per_second":
+            flops, dtype = value, labels.get("dtype", "")
+        elif name == "phasescope_hardware_info":
+            device = labels.get("device", "")
+    if bandwidth is None or flops is None:
+        return None
+    kind: PeakSource = "measured" if source == "measured" else "datasheet" if source == "datasheet" else "flag"
+    return HardwarePeaks(device or "server", bandwidth, {dtype_family(dtype): flops}, kind, device)
+
+
+def live_points(samples: Samples) -> list[dict[str, Any]]:
+    """Operating points (intensity, FLOP/s) per engine and phase from a running server's /metrics."""
+    intensity: dict[tuple[str, str], float] = {}
+    utilization: dict[tuple[str, str], float] = {}
+    peak_flops = 0.0
+    for (name, label_set), value in samples.items():
+        labels = dict(label_set)
+        key = (labels.get("engine", ""), labels.get("phase", ""))
+        if name == "phasescope_arithmetic_intensity_flops_per_byte":
+            intensity[key] = value
+        elif name == "phasescope_compute_utilization_ratio":
+            utilization[key] = value
+        elif name == "phasescope_hardware_peak_flops_per_second":
+            peak_flops = value
+    return [
+        {
+            "engine": engine,
+            "phase": phase,
+            "arithmetic_intensity_flops_per_byte": value,
+            "achieved_flops_per_second": utilization.get((engine, phase), 0.0) * peak_flops,
+        }
+        for (engine, phase), value in sorted(intensity.items())
+        if value > 0
+    ]
+
+
+def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> None:
+    out = sys.stdout
+
+    def gb(value: float) -> str:
+        return f"{value / 1e9:,.3f} GB"
+
+    print(
+        f"device {report.device} ({report.peak_source}): "
+        f"{report.peak_memory_bandwidth_bytes_per_second / 1e12:.3g} TB/s, "
+        f"{report.peak_flops / 1e12:.4g} TFLOP/s {report.dtype}; ridge point {report.ridge_point_flops_per_byte:.1f} "
+        "FLOP/byte (peak FLOP/s ÷ peak bytes/s)",
+        file=out,
+    )
+    devices = report.tensor_parallel_size * report.pipeline_parallel_size
+    active = (
+        f" ({report.active_parameter_count / 1e9:,.2f}B active per token)"
+        if report.active_parameter_count != report.parameter_count
+        else ""
+    )
+    print(
+        f"model {report.parameter_count / 1e9:,.2f}B parameters{active}"
+        + (
+            f"; per device of TP {report.tensor_parallel_size} × PP {report.pipeline_parallel_size} = {devices}"
+            if devices > 1
+            else ""
+        ),
+        file=out,
+    )
+    print(
+        f"weights {gb(report.weight_bytes)}; KV cache {report.kv_bytes_per_token:,.0f} bytes/token; "
+        f"{report.flops_per_token / 1e9:,.3f} GFLOP/token at context {report.context_length}",
+        file=out,
+    )
+    print(
+        "decode step: bytes = weights read (all; a mixture of experts' touched experts) + batch × context × "
+        "KV bytes/token; FLOPs = batch × FLOPs/token; "
+        "time = max(bytes ÷ peak bytes/s, FLOPs ÷ peak FLOP/s)",
+        file=out,
+    )
+    header: tuple[str, ...] = (
+        "batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound",
+    )  # fmt: skip
+    if cost_per_hour is not None:
+        header = (*header, "cost/M tok")
+    prices = report.cost_per_million_tokens(cost_per_hour) if cost_per_hour is not None else []
+    print("".join(f"{h:>13}" for h in header), file=out)
+    for index, row in enumerate(report.rows):
+        cells: tuple[str, ...] = (
+            f"{row.batch_size}",
+            f"{row.decode_tokens_per_second_per_sequence:,.2f}",
+            f"{row.decode_tokens_per_second_total:,.1f}",
+            f"{row.achieved_flops_per_second / 1e12:,.3f}",
+            f"{row.memory_bandwidth_utilization:.1%}",
+            f"{row.compute_utilization:.2%}",
+            f"{row.compute_idle:.2%}",
+            f"{row.arithmetic_intensity_flops_per_byte:,.1f}",
+            row.bound,
+        )
+        if prices:
+            cells = (*cells, f"{prices[index]:,.4g}")
+        print("".join(f"{c:>13}" for c in cells), file=out)
+    bound_at = report.compute_bound_batch_size
+    print(
+        "decode turns compute-bound at batch "
+        + (f"{bound_at}" if bound_at is not None else "never (KV-cache traffic grows as fast as the FLOPs)"),
+        file=out,
+    )
+    print(
+        f"prefill of a {report.prefill_tokens}-token prompt: {report.prefill_seconds * 1e3:,.2f} ms "
+        f"({report.prefill_bound}-bound)",
+        file=out,
+    )
+
+
+def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bandwidth = report.peak_memory_bandwidth_bytes_per_second
+    peak = report.peak_flops
+    intensities = [row.arithmetic_intensity_flops_per_byte for row in report.rows]
+    low = min(
+        [*intensities, report.ridge_point_flops_per_byte, *(p["arithmetic_intensity_flops_per_byte"] for p in live)]
+    )
+    high = max([*intensities, report.ridge_point_flops_per_byte])
+    x_low, x_high = low / 4, high * 4
+    figure, axes = plt.subplots(figsize=(8, 5.5), dpi=100)
+    xs = [x_low * (x_high / x_low) ** (i / 200) for i in range(201)]
+    axes.plot(xs, [min(peak, bandwidth * x) for x in xs], color="black", linewidth=2, label="roofline")
+    axes.axvline(report.ridge_point_flops_per_byte, color="grey", linestyle=":", label="ridge point")
+    axes.scatter(
+        intensities, [row.achieved_flops_per_second for row in report.rows], color="tab:blue", zorder=3, label="decode"
+    )
+    for row in report.rows:
+        axes.annotate(
+            f"B={row.batch_size}",
+            (row.arithmetic_intensity_flops_per_byte, row.achieved_flops_per_second),
+            textcoords="offset points",
+            xytext=(4, -12),
+            fontsize=8,
+        )
+    if live:
+        axes.scatter(
+            [p["arithmetic_intensity_flops_per_byte"] for p in live],
+            [p["achieved_flops_per_second"] for p in live],
+            color="tab:red",
+            marker="*",
+            s=120,
+            zorder=4,
+            label="live (server)",
+        )
+    axes.set_xscale("log")
+    axes.set_yscale("log")
+    axes.set_xlabel("arithmetic intensity (FLOP/byte)")
+    axes.set_ylabel("FLOP/s")
+    axes.set_title(f"roofline: {report.device}, {report.dtype} ({report.peak_source} peaks)")
+    axes.grid(True, which="both", alpha=0.3)
+    axes.legend(loc="lower right")
+    figure.tight_layout()
+    figure.savefig(path)
+    plt.close(figure)
+
+
+def cmd(args: argparse.Namespace) -> int:
+    try:
+        samples = fetch_samples(args.metrics_url) if args.metrics_url else {}
+        cost, peaks = _cost_and_peaks(args, served_peaks(samples))
+    except (ValueError, KeyError, OSError) as exc:
+        # Bad input gets one line naming what is wrong, never a traceback.
+        print(f"phasescope roofline: {exc}", file=sys.stderr)
+        return 2
+    try:
+        batch_sizes = tuple(int(b) for b in args.batch_sizes.split(",") if b.strip())
+    except ValueError:
+        print(f"phasescope roofline: --batch-sizes must be integers, got {args.batch_sizes!r}", file=sys.stderr)
+        return 2
+    if args.cost_per_hour is not None and not args.cost_per_hour >= 0:
+        print(f"phasescope roofline: --cost-per-hour must be 0 or more, got {args.cost_per_hour}", file=sys.stderr)
+        return 2
+    if not batch_sizes or min(batch_sizes) < 1 or args.context < 0 or args.prompt_tokens < 1:
+        print("phasescope roofline: batch sizes and --prompt-tokens must be ≥ 1, --context ≥ 0", file=sys.stderr)
+        return 2
+    report = roofline(
+        cost, peaks, args.dtype, batch_sizes=batch_sizes, context_length=args.context, prefill_tokens=args.prompt_tokens
+    )
+    live = live_points(samples)
+    if args.json:
+        data = report.to_json()
+        if args.cost_per_hour is not None:
+            data["cost_per_hour"] = args.cost_per_hour
+            for row, price in zip(data["rows"], report.cost_per_million_tokens(args.cost_per_hour), strict=True):
+                row["cost_per_million_tokens"] = price
+        if args.metrics_url:
+            data["live"] = live
+        json.dump(data, sys.stdout, indent=2)
+        print()
+    else:
+        print_table(report, args.cost_per_hour)
+        for point in live:
+            print(
+                f"live engine {point['engine']} {point['phase']}: {point['arithmetic_intensity_flops_per_byte']:.1f} "
+                f"FLOP/byte, {point['achieved_flops_per_second'] / 1e12:.4f} TFLOP/s"
+            )
+    if args.plot:
+        plot(report, args.plot, live)
+        print(f"roofline chart written to {args.plot}", file=sys.stderr)
+    return 0

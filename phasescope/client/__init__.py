@@ -1,0 +1,1 @@
+"""The client side: typed blocking and asyncio clients over the generated stubs, and `top`'s view."""

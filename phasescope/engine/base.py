@@ -1,0 +1,97 @@
+"""The engine interface the servicer depends on, and the values that cross it.
+
+`phasescope.engine.vllm.engine` implements it over vLLM's `AsyncLLM`. Keeping vLLM behind
+this seam keeps its unstable interfaces in one module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Protocol
+
+from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.request.phases import EngineTimestamps
+
+
+@dataclass(frozen=True, slots=True)
+class EngineOptions:
+    """How to start an engine: the part of the server's settings the engine reads (each field is
+    the `phasescope serve` flag of the same name, documented there)."""
+
+    dtype: str = "auto"
+    kv_cache_gib: float | None = None
+    max_model_len: int | None = None
+    enforce_eager: bool = False
+    max_num_seqs: int = 64
+    stream_interval: int = 1
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    data_parallel_size: int = 1
+    distributed_executor_backend: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ModelDescription:
+    """What GetModelInfo reports."""
+
+    model_name: str
+    model_path: str
+    max_context_length: int
+    dtype: str
+    vocab_size: int
+    engine: str
+    engine_version: str
+    device: str
+    data_parallel_size: int
+    tensor_parallel_size: int
+    pipeline_parallel_size: int
+    cost: ModelCost
+    on_cpu: bool
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStep:
+    """What one engine step produced for one request (a delta, not the running total)."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    finished: bool
+    finish_reason: str | None
+    """"stop", "length" or "abort" on the last step, else None."""
+    completion_tokens: int
+    """Tokens generated so far, this step included."""
+    cached_prompt_tokens: int
+    stamps: EngineTimestamps | None
+    """The engine's timestamps as of this step; None when the engine keeps no stats."""
+
+
+class Engine(Protocol):
+    @property
+    def description(self) -> ModelDescription: ...
+
+    @property
+    def limits(self) -> ModelLimits: ...
+
+    @property
+    def is_dead(self) -> bool:
+        """True once the engine can no longer serve (its core process died)."""
+
+    def tokenize(self, parsed: ParsedInput) -> list[int]:
+        """Token ids the model sees for this input (chat rendered with the model's template)."""
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        """Stream the request's steps; closing the iterator aborts the engine request.
+
+        Sampling the engine refuses raises InvalidRequestError from this call, before
+        the request reaches the engine.
+        """
+
+    async def warm_up(self) -> None:
+        """Run one tiny request so the first client does not pay for lazy initialisation."""
+
+    async def close(self) -> None:
+        """Stop the engine processes; safe to call twice."""

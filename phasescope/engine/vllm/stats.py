@@ -1,0 +1,115 @@
+"""A vLLM stat logger that turns each engine step into a `phasescope.telemetry.step.steps.StepRecord`
+and each output batch's per-token latencies into a `phasescope.telemetry.step.steps.EngineIteration`.
+
+`SchedulerStats` is documented by vLLM as an unstable interface: this module
+is the only reader of it. It needs the engine started with
+`enable_logging_iteration_details` (per-step token counts and execution time)
+and `enable_mfu_metrics` (vLLM's analytic FLOPs and bytes of the step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+
+from phasescope.telemetry.step.steps import EngineIteration, StepForwarder, StepRecord
+
+
+class PhasescopeStatLogger(StatLoggerBase):
+    def __init__(
+        self, vllm_config: VllmConfig, engine_index: int, forward: StepForwarder, engines: list[int] | None = None
+    ) -> None:
+        self._cache_config = vllm_config.cache_config
+        # The engine cores this front end talks to (one logger is made per engine core).
+        self._engines = engines if engines is not None else [engine_index]
+        self._engine_index = engine_index
+        self._forward = forward
+        speculative = vllm_config.speculative_config
+        # A decoding sequence computes one new token per step, plus its draft tokens when
+        # speculating; more than that is a resumed request recomputing what preemption dropped.
+        self._max_decode_tokens_per_request = 1 + (
+            (speculative.num_speculative_tokens or 0) if speculative is not None else 0
+        )
+
+    def _kv_cache_capacity_tokens(self) -> int:
+        # Known once the engine has profiled its memory; 0 until then. With data parallelism the
+        # front end's figure is the sum over its engine cores (vLLM's core client adds them up):
+        # each engine's own cache is its equal share.
+        blocks = (self._cache_config.num_gpu_blocks or 0) / max(1, len(self._engines))
+        return int(blocks * (self._cache_config.block_size or 0))
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        # vLLM fails every request in flight when a stat logger raises: nothing may escape.
+        try:
+            self._record(scheduler_stats, iteration_stats, engine_idx)
+        except Exception as exc:
+            self._forward.failed(exc)
+
+    def _record(
+        self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_idx: int
+    ) -> None:
+        if iteration_stats is not None:
+            self._forward.iteration(
+                EngineIteration(
+                    engine=engine_idx,
+                    inter_token_seconds=iteration_stats.inter_token_latencies_iter,
+                    preemptions=iteration_stats.num_preempted_reqs,
+                )
+            )
+        if scheduler_stats is None:
+            return
+        self._forward.queue(
+            engine_idx,
+            scheduler_stats.num_running_reqs,
+            scheduler_stats.num_waiting_reqs,
+            scheduler_stats.kv_cache_usage,
+        )
+        details = scheduler_stats.iteration_details
+        if details is None or details.is_dummy:
+            return
+        perf = scheduler_stats.perf_stats
+        # vLLM counts a request resumed after preemption as "generation" (it has output
+        # tokens) while it recomputes its whole sequence: that is prefill work.
+        decode_tokens = min(
+            details.num_generation_tokens, details.num_generation_requests * self._max_decode_tokens_per_request
+        )
+        recomputed_tokens = details.num_generation_tokens - decode_tokens
+        self._forward(
+            StepRecord(
+                engine=engine_idx,
+                prefill_requests=details.num_ctx_requests,
+                prefill_tokens=details.num_ctx_tokens + recomputed_tokens,
+                decode_requests=details.num_generation_requests,
+                decode_tokens=decode_tokens,
+                elapsed_seconds=details.elapsed_ms / 1e3,
+                flops=float(perf.num_flops_per_gpu) if perf is not None else None,
+                read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
+                written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
+                kv_cache_tokens=round(scheduler_stats.kv_cache_usage * self._kv_cache_capacity_tokens()),
+            )
+        )
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+
+def stat_logger_factory(forward: StepForwarder) -> Callable[[VllmConfig, int], Any]:
+    """What `AsyncLLM(stat_loggers=[...])` takes: one logger per engine core."""
+
+    engines: list[int] = []
+
+    def make(vllm_config: VllmConfig, engine_index: int = 0) -> PhasescopeStatLogger:
+        engines.append(engine_index)
+        return PhasescopeStatLogger(vllm_config, engine_index, forward, engines)
+
+    return make

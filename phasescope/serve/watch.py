@@ -1,0 +1,193 @@
+"""WatchTelemetry: the request's options, and one snapshot of the server as a message.
+
+Snapshots are built only for a watcher, when its interval comes round: nothing here runs
+when nobody watches. The figures are the ones /metrics exports at the same moment (the
+same `StepMetrics` window and verdicts); the requests in flight are the servicer's own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from phasescope.errors import InvalidRequestError
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.live import LatencyFigures
+from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps
+from phasescope.telemetry.step.prometheus import EngineView
+from phasescope.v1 import inference_pb2 as pb
+
+MIN_INTERVAL_SECONDS = 0.25
+MAX_INTERVAL_SECONDS = 60.0
+DEFAULT_INTERVAL_SECONDS = 1.0
+DEFAULT_MAX_REQUESTS = 32
+MAX_REQUESTS = 1000
+
+
+@dataclass(frozen=True, slots=True)
+class WatchOptions:
+    interval_seconds: float
+    max_requests: int
+    newest_first: bool
+
+
+def watch_options(request: pb.WatchTelemetryRequest) -> WatchOptions:
+    """The request's options with defaults filled in; InvalidRequestError names a field out of range."""
+    interval = request.interval_seconds or DEFAULT_INTERVAL_SECONDS
+    if not MIN_INTERVAL_SECONDS <= interval <= MAX_INTERVAL_SECONDS:
+        raise InvalidRequestError(
+            "interval_seconds",
+            f"must be between {MIN_INTERVAL_SECONDS} and {MAX_INTERVAL_SECONDS} seconds (0 means "
+            f"{DEFAULT_INTERVAL_SECONDS}), got {request.interval_seconds}",
+        )
+    if request.max_requests > MAX_REQUESTS:
+        raise InvalidRequestError("max_requests", f"must be at most {MAX_REQUESTS}, got {request.max_requests}")
+    count = 0 if request.omit_requests else (request.max_requests or DEFAULT_MAX_REQUESTS)
+    return WatchOptions(interval, count, request.request_order == pb.REQUEST_ORDER_NEWEST_FIRST)
+
+
+class InFlight(Protocol):
+    """What the servicer knows of a request while it runs (its `_RequestTrace`)."""
+
+    request_id: str
+    prompt_tokens: int
+    completion_tokens: int
+    front: FrontendTimestamps
+    stamps: EngineTimestamps | None
+
+
+class TelemetrySource(Protocol):
+    """The engine-side figures: phasescope.serve.app wires StepMetrics and RecentLatencies behind it."""
+
+    def views(self) -> tuple[float, list[EngineView]]: ...
+
+    def latencies(self, window_seconds: float) -> LatencyFigures: ...
+
+    @property
+    def rejected(self) -> int: ...
+
+
+def request_snapshot(trace: InFlight, now: float) -> pb.RequestSnapshot:
+    """One request in flight, on the monotonic clock its stamps use (`now` = time.monotonic())."""
+    stamps = trace.stamps
+    first_token = stamps.first_token_ts if stamps is not None else 0.0
+    if not trace.front.handed_to_engine:
+        phase = "frontend"
+    elif first_token <= 0.0:
+        phase = "prefill"
+    else:
+        phase = "decode"
+    decoded = trace.completion_tokens - 1
+    last_token = stamps.last_token_ts if stamps is not None else 0.0
+    rate = decoded / (last_token - first_token) if decoded >= 1 and last_token > first_token else 0.0
+    return pb.RequestSnapshot(
+        request_id=trace.request_id,
+        phase=phase,
+        age_seconds=max(0.0, now - trace.front.entry),
+        prompt_tokens=trace.prompt_tokens,
+        completion_tokens=trace.completion_tokens,
+        tokens_per_second=rate,
+        decode_stalled_by_prefill_seconds=stamps.decode_stalled_seconds if stamps is not None else 0.0,
+        decode_prefill_interference_seconds=stamps.decode_interference_seconds if stamps is not None else 0.0,
+    )
+
+
+def _engine_snapshot(view: EngineView) -> pb.EngineSnapshot:
+    message = pb.EngineSnapshot(
+        engine=view.engine,
+        memory_bandwidth_utilization=view.device.memory_bandwidth_utilization,
+        compute_utilization=view.device.compute_utilization,
+        compute_idle=view.device.compute_idle,
+        busy_ratio=view.device.busy_ratio,
+        running=view.running,
+        waiting=view.waiting,
+        kv_cache_usage=view.kv_cache_usage,
+        queue_wait_ratio=view.queue_share,
+        headroom=view.headroom.ratio,
+        headroom_limit=view.headroom.limit,
+        idle_cost_per_hour=view.idle_cost_per_hour or 0.0,
+        has_cost=view.idle_cost_per_hour is not None,
+    )
+    for phase, phase_view in view.phases.items():
+        figures = phase_view.figures
+        message.phases.append(
+            pb.PhaseSnapshot(
+                phase=phase,
+                tokens_per_second=figures.tokens_per_second,
+                memory_bandwidth_utilization=figures.memory_bandwidth_utilization or 0.0,
+                compute_utilization=figures.compute_utilization or 0.0,
+                arithmetic_intensity=figures.arithmetic_intensity or 0.0,
+                batch_size=figures.batch_size or 0.0,
+                verdict=phase_view.verdict.verdict,
+                host_overhead=phase_view.verdict.host_overhead or 0.0,
+                cost_per_million_tokens=phase_view.cost_per_million_tokens or 0.0,
+                ran=figures.memory_bandwidth_utilization is not None,
+            )
+        )
+    return message
+
+
+@dataclass(frozen=True, slots=True)
+class ServerFacts:
+    """What does not change while the server runs."""
+
+    model_name: str
+    device: str
+    dtype: str
+    peaks: HardwarePeaks
+    started_monotonic: float
+
+
+def build_snapshot(
+    facts: ServerFacts,
+    source: TelemetrySource,
+    in_flight: Sequence[InFlight],
+    admission: tuple[int, int],
+    rejected_in_interval: int,
+    options: WatchOptions,
+) -> pb.TelemetrySnapshot:
+    now = time.monotonic()
+    window, views = source.views()
+    latency = source.latencies(window)
+    peaks = facts.peaks
+    bandwidth = peaks.memory_bandwidth_bytes_per_second
+    flops = peaks.peak_flops(facts.dtype)
+    snapshot = pb.TelemetrySnapshot(
+        time_unix_seconds=time.time(),
+        window_seconds=window,
+        model_name=facts.model_name,
+        uptime_seconds=now - facts.started_monotonic,
+        device=facts.device,
+        peaks=pb.Peaks(
+            memory_bandwidth_bytes_per_second=bandwidth,
+            flops_per_second=flops,
+            dtype=facts.dtype,
+            source=peaks.source,
+            hardware=peaks.description or peaks.device,
+            ridge_point_flops_per_byte=flops / bandwidth,
+        ),
+        admission=pb.AdmissionSnapshot(
+            in_flight=admission[0], capacity=admission[1], rejected_in_interval=rejected_in_interval
+        ),
+        latency=pb.LatencySnapshot(
+            time_to_first_token_p50_seconds=latency.time_to_first_token_p50,
+            time_to_first_token_p99_seconds=latency.time_to_first_token_p99,
+            time_to_first_token_samples=latency.time_to_first_token_samples,
+            inter_token_p50_seconds=latency.inter_token_p50,
+            inter_token_p99_seconds=latency.inter_token_p99,
+            inter_token_samples=latency.inter_token_samples,
+            queue_mean_seconds=latency.queue_mean,
+            prefill_mean_seconds=latency.prefill_mean,
+            decode_mean_seconds=latency.decode_mean,
+        ),
+        requests_in_flight=len(in_flight),
+    )
+    snapshot.engines.extend(_engine_snapshot(view) for view in views)
+    if options.max_requests:
+        ordered: Iterable[InFlight] = sorted(
+            in_flight, key=lambda trace: trace.front.entry, reverse=options.newest_first
+        )
+        snapshot.requests.extend(request_snapshot(trace, now) for trace in list(ordered)[: options.max_requests])
+    return snapshot

@@ -1,0 +1,131 @@
+"""Recent latencies over a sliding window, for live views (WatchTelemetry, `phasescope top`).
+
+Prometheus histograms answer "p99 over any PromQL window" but a live view wants the
+quantiles of the last few seconds now, without a Prometheus. This keeps each request's
+figures for a bounded time (and count) and computes quantiles only when asked: a
+request costs one append per figure; nothing is computed unless someone watches.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+
+# At most this many observations are kept per figure, whatever the window.
+MAX_OBSERVATIONS = 20_000
+
+
+def quantile(values: list[float], q: float) -> float:
+    """Nearest-rank quantile of unsorted values; 0.0 when there are none."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q * len(ordered)))
+    return ordered[rank - 1]
+
+
+@dataclass(frozen=True, slots=True)
+class LatencyFigures:
+    time_to_first_token_p50: float
+    time_to_first_token_p99: float
+    time_to_first_token_samples: int
+    inter_token_p50: float
+    inter_token_p99: float
+    inter_token_samples: int
+    queue_mean: float
+    prefill_mean: float
+    decode_mean: float
+
+
+class _Recent:
+    """(time, value) pairs of one figure, dropped after `horizon` seconds or beyond the cap."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._values: deque[tuple[float, float]] = deque(maxlen=MAX_OBSERVATIONS)
+
+    def add(self, value: float) -> None:
+        self._values.append((self._clock(), value))
+
+    def extend(self, values: Iterable[float]) -> None:
+        now = self._clock()
+        self._values.extend((now, value) for value in values)
+
+    def since(self, start: float) -> list[float]:
+        while self._values and self._values[0][0] < start - 60.0:
+            self._values.popleft()  # older than any window a live view asks for
+        return [value for at, value in self._values if at >= start]
+
+
+class RecentLatencies:
+    """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies; also fed
+    the engine's inter-token gaps. Thread-safe: the engine's stat logger and the servicer both add."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._ttft = _Recent(clock)
+        self._itl = _Recent(clock)
+        self._queue = _Recent(clock)
+        self._prefill = _Recent(clock)
+        self._decode = _Recent(clock)
+        self.rejected = 0
+        """Requests refused before the engine, since start (a watcher diffs it)."""
+
+    def request_started(self, model: str) -> None:
+        pass
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        timings = record.timings
+        with self._lock:
+            if timings.time_to_first_token_seconds is not None:
+                self._ttft.add(timings.time_to_first_token_seconds)
+            if timings.queue_seconds is not None:
+                self._queue.add(timings.queue_seconds)
+            if timings.prefill_seconds is not None:
+                self._prefill.add(timings.prefill_seconds)
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        pass
+
+    def request_finished(self, record: PhaseRecord) -> None:
+        if record.timings.decode_seconds is not None and record.completion_tokens > 1:
+            with self._lock:
+                self._decode.add(record.timings.decode_seconds)
+
+    def request_rejected(self, model: str, reason: str) -> None:
+        with self._lock:
+            self.rejected += 1
+
+    def inter_token(self, gaps: Iterable[float]) -> None:
+        """The engine's inter-token gaps of one output batch."""
+        with self._lock:
+            self._itl.extend(gaps)
+
+    def figures(self, window_seconds: float) -> LatencyFigures:
+        start = self._clock() - window_seconds
+        with self._lock:
+            ttft = self._ttft.since(start)
+            itl = self._itl.since(start)
+            queue, prefill, decode = self._queue.since(start), self._prefill.since(start), self._decode.since(start)
+
+        def mean(values: list[float]) -> float:
+            return sum(values) / len(values) if values else 0.0
+
+        return LatencyFigures(
+            time_to_first_token_p50=quantile(ttft, 0.5),
+            time_to_first_token_p99=quantile(ttft, 0.99),
+            time_to_first_token_samples=len(ttft),
+            inter_token_p50=quantile(itl, 0.5),
+            inter_token_p99=quantile(itl, 0.99),
+            inter_token_samples=len(itl),
+            queue_mean=mean(queue),
+            prefill_mean=mean(prefill),
+            decode_mean=mean(decode),
+        )

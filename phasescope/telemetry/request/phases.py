@@ -1,0 +1,233 @@
+"""Phase durations of one request, on one clock.
+
+The engine core stamps a request with `time.monotonic()` of its own process
+(`queued_ts`, `scheduled_ts`, `first_token_ts`, `last_token_ts`). On Linux
+that clock is system-wide, so the front end compares those stamps directly
+with its own `time.monotonic()` readings for the same request: handler entry,
+hand-off to the engine, first chunk written, end. No offset is taken at
+start-up: a wall-clock step would shift every later request. The wall clock
+is read once per request, at entry, only to place its spans in a trace.
+
+Timers around handlers never stand in for engine phases: they would count
+gRPC and Python scheduling as engine work.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from phasescope.telemetry.errors import log_rate_limited
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineTimestamps:
+    """A request's timestamps as the engine core recorded them (monotonic); 0.0 means never reached.
+
+    vLLM sends them only with a request's outputs: a request that ends before its
+    first token has none.
+    """
+
+    queued_ts: float
+    """The request entered the scheduler's waiting queue."""
+    scheduled_ts: float
+    """The request was first scheduled."""
+    first_token_ts: float
+    """The first output token was produced."""
+    last_token_ts: float
+    """The latest output token was produced."""
+    decode_stalled_seconds: float = 0.0
+    """Decode time so far spent in steps that also carried other requests' prefill chunks
+    (phasescope.telemetry.step.steps.InterferenceLedger)."""
+    decode_interference_seconds: float = 0.0
+    """The estimated extra time those chunks cost this request's decode so far."""
+
+
+@dataclass(frozen=True, slots=True)
+class FrontendTimestamps:
+    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached."""
+
+    entry: float
+    """The handler was entered: what the client waits for starts here."""
+    wall_at_entry: float
+    """`time.time()` read at entry, to place the request's spans on the wall clock."""
+    handed_to_engine: float = 0.0
+    """The request was handed to the engine client (validated, tokenised, admitted)."""
+    first_chunk_written: float = 0.0
+    """The first chunk of a stream was written to the client."""
+    ended: float = 0.0
+    """The front end finished with the request (last chunk written, or it failed)."""
+
+    def wall(self, monotonic: float) -> float:
+        """Wall-clock seconds of a monotonic reading, by this request's own offset."""
+        return self.wall_at_entry + (monotonic - self.entry)
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseTimings:
+    """Where a request's time went. A stage it never reached, or never left, is None."""
+
+    frontend_seconds: float | None
+    queue_seconds: float | None
+    prefill_seconds: float | None
+    decode_seconds: float | None
+    time_to_first_token_seconds: float | None
+    e2e_seconds: float | None
+    mean_inter_token_seconds: float | None
+    decode_tokens_per_second: float | None
+    client_time_to_first_token_seconds: float | None = None
+    intake_seconds: float | None = None
+    """Hand-off → queued: vLLM's input processing, the hop to the engine core, and the wait for
+    the core to take the request in (it does so between steps: under load, up to a step)."""
+    decode_stalled_by_prefill_seconds: float | None = None
+    """Decode time spent in steps that also carried other requests' prefill chunks; None before decode."""
+    decode_prefill_interference_seconds: float | None = None
+    """The estimated extra decode time those chunks cost (step time − a decode-only step of the batch)."""
+    abandoned_seconds: float | None = None
+    """For a request that ended before its first token: hand-off to the engine → end.
+    The engine stamps nothing before a request's first token, so this time in queue or
+    prefill cannot be split between the two."""
+
+
+NO_TIMINGS = PhaseTimings(None, None, None, None, None, None, None, None)
+
+
+def _interval(name: str, start: float, end: float) -> float | None:
+    if start <= 0.0 or end <= 0.0:
+        return None
+    if end < start:
+        # Both ends are on one system-wide clock, so this is a defect somewhere: say so
+        # rather than hide it as 0 (it is left out of the figures).
+        log_rate_limited(
+            logger, f"negative:{name}", "negative %s interval (%.6f s) left out of the figures", name, end - start
+        )
+        return None
+    return end - start
+
+
+def derive_phase_timings(
+    front: FrontendTimestamps, engine: EngineTimestamps | None, completion_tokens: int
+) -> PhaseTimings:
+    """Split a request into frontend, intake, queue, prefill and decode (vLLM's definitions for the engine's phases)."""
+    queued = engine.queued_ts if engine is not None else 0.0
+    first_token = engine.first_token_ts if engine is not None else 0.0
+    last_token = engine.last_token_ts if engine is not None else 0.0
+    # Frontend = hand-off to the engine − handler entry: validation, chat templating,
+    # tokenisation and admission, the front end's own work.
+    frontend = _interval("frontend", front.entry, front.handed_to_engine)
+    # Intake = queued − hand-off: the engine client's input processing, the hop to the engine
+    # core, and the wait for the core to take the request in between two steps.
+    intake = _interval("intake", front.handed_to_engine, queued)
+    queue = prefill = decode = None
+    if engine is not None:
+        # Queue interval is from QUEUED to first SCHEDULED.
+        queue = _interval("queue", engine.queued_ts, engine.scheduled_ts)
+        # Prefill interval is from first SCHEDULED to first NEW_TOKEN
+        # (a preemption counts toward the phase in which it happens).
+        prefill = _interval("prefill", engine.scheduled_ts, first_token)
+        # Decode interval is from first NEW_TOKEN to last NEW_TOKEN.
+        decode = _interval("decode", first_token, last_token)
+    # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
+    # the frontend and intake stages (vLLM's own start later, at its arrival stamp).
+    ttft = _interval("time to first token", front.entry, first_token)
+    e2e = _interval("end-to-end", front.entry, last_token)
+    # Client TTFT = first chunk written − handler entry: what a streaming client waited.
+    client_ttft = _interval("client time to first token", front.entry, front.first_chunk_written)
+    abandoned = None
+    if first_token <= 0.0 and front.ended > 0.0:
+        abandoned = _interval("abandoned", front.handed_to_engine, front.ended)
+
+    # TPOT = decode / (output tokens - 1): the first token belongs to prefill.
+    decoded_tokens = completion_tokens - 1
+    decoded = decode is not None and decoded_tokens >= 1
+    mean_inter_token: float | None = None
+    decode_tokens_per_second: float | None = None
+    if decode is not None and decoded_tokens >= 1:
+        mean_inter_token = decode / decoded_tokens
+        decode_tokens_per_second = decoded_tokens / decode if decode > 0 else None
+    return PhaseTimings(
+        frontend_seconds=frontend,
+        queue_seconds=queue,
+        prefill_seconds=prefill,
+        decode_seconds=decode,
+        time_to_first_token_seconds=ttft,
+        e2e_seconds=e2e,
+        mean_inter_token_seconds=mean_inter_token,
+        decode_tokens_per_second=decode_tokens_per_second,
+        client_time_to_first_token_seconds=client_ttft,
+        intake_seconds=intake,
+        # Only a request that decoded (a token after its first) has decode steps to share.
+        decode_stalled_by_prefill_seconds=engine.decode_stalled_seconds if decoded and engine else None,
+        decode_prefill_interference_seconds=engine.decode_interference_seconds if decoded and engine else None,
+        abandoned_seconds=abandoned,
+    )
+
+
+@dataclass(frozen=True, slots=True)
+class RequestParameters:
+    """What the request asked for, as tracing reports it (gen_ai.request.*)."""
+
+    operation: str = "text_completion"
+    """"chat" for chat input, "text_completion" for a prompt or token ids."""
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class RequestText:
+    """Prompt and output text; present only when an operator turned text capture on."""
+
+    prompt: str
+    output: str
+
+
+@dataclass(frozen=True, slots=True)
+class FirstTokenRecord:
+    """A request's first token, as observers see it: what is known once it arrived."""
+
+    model: str
+    timings: PhaseTimings
+    """frontend, intake, queue, prefill and TTFT (client TTFT for a stream whose first chunk is written)."""
+    prefill_tokens_computed: int
+    """Prompt tokens the engine ran through prefill (prefix-cache hits excluded)."""
+    streaming: bool
+    trace_id: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseRecord:
+    """One ended request, as observers see it. Holds no request id, and no text unless `text` is set."""
+
+    model: str
+    """The served model name (a bounded label)."""
+    code: str
+    """gRPC status code name the request ended with, e.g. "OK", "CANCELLED"."""
+    finish_reason: str
+    """"stop", "length", "abort", or "error" when the engine never finished it."""
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    """Prompt tokens served from the prefix cache instead of being computed."""
+    completion_tokens: int
+    timings: PhaseTimings
+    front: FrontendTimestamps
+    stamps: EngineTimestamps | None = None
+    """The engine's raw timestamps, for observers that place phases in time (tracing)."""
+    streaming: bool = True
+    parameters: RequestParameters = RequestParameters()
+    error: BaseException | None = None
+    """Why the request did not finish normally (its status is `code`)."""
+    trace_id: str | None = None
+    """Hex trace id of the request's trace when it is sampled, for exemplars."""
+    text: RequestText | None = None
+
+    @property
+    def produced_first_token(self) -> bool:
+        return self.stamps is not None and self.stamps.first_token_ts > 0.0
+
+    @property
+    def prefill_tokens_computed(self) -> int:
+        """Prompt tokens the engine actually ran through prefill."""
+        return max(0, self.prompt_tokens - self.cached_prompt_tokens)

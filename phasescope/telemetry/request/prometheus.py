@@ -1,0 +1,178 @@
+"""Prometheus implementation of `RequestObserver`: per-request phase figures.
+
+Every metric is registered in the registry passed in, so tests use a private
+`CollectorRegistry`. Names start with `phasescope_` and never contain "vllm"
+(vLLM's `unregister_vllm_metrics()` drops any collector whose name does).
+Labels stay bounded: model, phase, code, finish reason, rejection reason.
+docs/metrics.md documents each series; a test keeps the two in step.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+
+# Request-level latency: a millisecond (the frontend stage, a queue hop) to two hours
+# (a long generation under load), like vLLM's request buckets.
+REQUEST_SECONDS_BUCKETS = (
+    0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 2.5, 5.0,
+    7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0,
+)  # fmt: skip
+
+
+# How an admitted request can end before its first token.
+_UNANSWERED_CODES = ("CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL")
+
+
+class PrometheusRequestObserver:
+    def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
+        """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
+        its expression evaluates before the first request has missed or even run."""
+        self._decode_tokens: dict[str, Counter] = {}
+        self.phase_seconds = Histogram(
+            "phasescope_request_phase_seconds",
+            "Time a request spent in each stage, on one monotonic clock: frontend = hand-off to the engine - "
+            "handler entry, intake = queued - hand-off, queue = scheduled - queued, prefill = first token - "
+            "scheduled, decode = last token - first token; abandoned = end - hand-off, for a request that ended "
+            "before its first token.",
+            ["model", "phase"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.time_to_first_token_seconds = Histogram(
+            "phasescope_time_to_first_token_seconds",
+            "First token (engine stamp) - handler entry, per request that produced a token, observed at "
+            "its first token. Requests that ended before one are in phasescope_requests_without_first_token_total.",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.client_time_to_first_token_seconds = Histogram(
+            "phasescope_client_time_to_first_token_seconds",
+            "First chunk written to the client - handler entry, per streaming request.",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.request_duration_seconds = Histogram(
+            "phasescope_request_duration_seconds",
+            "Last token - handler entry (end-to-end latency), per request that produced a token.",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.decode_stalled_seconds = Histogram(
+            "phasescope_decode_prefill_stall_seconds",
+            "Per request that decoded: its decode time spent in engine steps that also carried other requests' "
+            "prefill chunks (0 for a request that decoded alone).",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.decode_interference_seconds = Histogram(
+            "phasescope_decode_prefill_interference_seconds",
+            "Per request that decoded: the estimated extra time other requests' prefill chunks cost its decode "
+            "(each such step's time - a decode-only step of the same batch on that engine).",
+            ["model"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.without_first_token = Counter(
+            "phasescope_requests_without_first_token",
+            "Admitted requests that ended before their first token (cancelled, deadline, failure), "
+            "by gRPC status code: the time-to-first-token SLO counts each as a miss.",
+            ["model", "code"],
+            registry=registry,
+        )
+        self.tokens = Counter(
+            "phasescope_tokens",
+            "Tokens per phase, counted as they happen: prefill = prompt tokens computed (prefix-cache hits "
+            "excluded), at the first token; decode = output tokens, as they stream.",
+            ["model", "phase"],
+            registry=registry,
+        )
+        self.requests = Counter(
+            "phasescope_requests",
+            "Admitted requests that ended, by gRPC status code and finish reason.",
+            ["model", "code", "finish_reason"],
+            registry=registry,
+        )
+        self.requests_in_flight = Gauge(
+            "phasescope_requests_in_flight",
+            "Admitted requests not yet ended (running in the engine or waiting in its queue).",
+            ["model"],
+            registry=registry,
+        )
+        self.requests_rejected = Counter(
+            "phasescope_requests_rejected",
+            "Requests refused before reaching the engine, by reason.",
+            ["model", "reason"],
+            registry=registry,
+        )
+        if model is not None:
+            self.time_to_first_token_seconds.labels(model)
+            self.decode_stalled_seconds.labels(model)
+            self.decode_interference_seconds.labels(model)
+            for code in _UNANSWERED_CODES:
+                self.without_first_token.labels(model, code)
+
+    def request_started(self, model: str) -> None:
+        self.requests_in_flight.labels(model).inc()
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        model = record.model
+        timings = record.timings
+        # With tracing on, each observation links to its request's trace (shown when
+        # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
+        for phase, seconds in (
+            ("frontend", timings.frontend_seconds),
+            ("intake", timings.intake_seconds),
+            ("queue", timings.queue_seconds),
+            ("prefill", timings.prefill_seconds),
+        ):
+            if seconds is not None:
+                self.phase_seconds.labels(model, phase).observe(seconds, exemplar)
+        if timings.time_to_first_token_seconds is not None:
+            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
+        if record.streaming and timings.client_time_to_first_token_seconds is not None:
+            self.client_time_to_first_token_seconds.labels(model).observe(
+                timings.client_time_to_first_token_seconds, exemplar
+            )
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        # Called for every chunk of every stream: the labelled child is looked up once per model.
+        child = self._decode_tokens.get(model)
+        if child is None:
+            child = self._decode_tokens[model] = self.tokens.labels(model, "decode")
+        child.inc(count)
+
+    def request_finished(self, record: PhaseRecord) -> None:
+        model = record.model
+        self.requests_in_flight.labels(model).dec()
+        self.requests.labels(model, record.code, record.finish_reason).inc()
+        timings = record.timings
+        exemplar = {"trace_id": record.trace_id} if record.trace_id else None
+        if not record.produced_first_token:
+            # Its first token never came: the client got nothing, whatever the reason.
+            self.without_first_token.labels(model, record.code).inc()
+            if timings.frontend_seconds is not None:
+                self.phase_seconds.labels(model, "frontend").observe(timings.frontend_seconds, exemplar)
+            if timings.abandoned_seconds is not None:
+                self.phase_seconds.labels(model, "abandoned").observe(timings.abandoned_seconds, exemplar)
+            return
+        if timings.decode_seconds is not None:
+            self.phase_seconds.labels(model, "decode").observe(timings.decode_seconds, exemplar)
+        if timings.decode_stalled_by_prefill_seconds is not None:
+            self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
+        if timings.decode_prefill_interference_seconds is not None:
+            self.decode_interference_seconds.labels(model).observe(
+                timings.decode_prefill_interference_seconds, exemplar
+            )
+        if timings.e2e_seconds is not None:
+            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
+
+    def request_rejected(self, model: str, reason: str) -> None:
+        self.requests_rejected.labels(model, reason).inc()

@@ -1,0 +1,504 @@
+"""Prometheus export of the engine's steps: per-phase and device-level roofline figures, ITL, queue state.
+
+Counters since start let any window be computed in PromQL; gauges over the
+`StepWindow` are computed when scraped, so an idle engine reads 0
+utilisation and 1 idleness instead of its last busy value, and a phase that
+ran no step in the window has no operating point (its series are absent)
+instead of a misleading 0.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.step.steps import (
+    DEFAULT_WINDOW_SECONDS,
+    PHASES,
+    STEP_KINDS,
+    DeviceFigures,
+    EngineIteration,
+    InterferenceLedger,
+    PhaseFigures,
+    StepRecord,
+    StepWindow,
+    attribute_step,
+)
+from phasescope.telemetry.step.verdict import (
+    VERDICTS,
+    Headroom,
+    HeadroomLimits,
+    PhaseWork,
+    Verdict,
+    headroom,
+    phase_verdict,
+    token_cost,
+)
+
+# Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
+# to seconds on a loaded CPU.
+INTER_TOKEN_SECONDS_BUCKETS = (
+    0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
+    0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseView:
+    figures: PhaseFigures
+    verdict: Verdict
+    cost_per_million_tokens: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine over the window: what the answer series and a live snapshot show."""
+
+    engine: int
+    device: DeviceFigures
+    phases: dict[str, PhaseView]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    queue_share: float
+    headroom: Headroom
+    idle_cost_per_hour: float | None
+
+
+def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
+    """`histogram.observe(v)` for every value, with one lock per touched bucket instead of one per value.
+
+    An engine step reports one inter-token gap per decoding request (hundreds at a large batch). This
+    reads prometheus-client's bucket layout (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4);
+    tests/unit/telemetry/step/test_prometheus_observe.py checks the result equals one observe() per value.
+    """
+    bounds = histogram._upper_bounds
+    counts = [0] * len(bounds)
+    total = 0.0
+    for value in values:
+        # The first bucket whose bound is ≥ the value, as observe() picks it; the last bound is +Inf.
+        counts[bisect.bisect_left(bounds, value)] += 1
+        total += value
+    if not any(counts):
+        return
+    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks
+    histogram._sum.inc(total)
+    buckets = histogram._buckets
+    for index, count in enumerate(counts):
+        if count:
+            buckets[index].inc(count)
+
+
+class StepMetrics(Collector):
+    """The engine's steps against the device's peaks, as Prometheus series.
+
+    `peaks` are what each engine is judged against (`HardwarePeaks.shared_by`
+    when the engines share one CPU).
+    """
+
+    def __init__(
+        self,
+        model: str,
+        cost: ModelCost,
+        dtype: str,
+        peaks: HardwarePeaks,
+        registry: CollectorRegistry,
+        *,
+        engines: int = 1,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        headroom_limits: HeadroomLimits | None = None,
+        cost_per_hour: float | None = None,
+        interference: InterferenceLedger | None = None,
+    ) -> None:
+        self._interference = interference
+        self._headroom_limits = headroom_limits or HeadroomLimits()
+        self._cost_per_hour = cost_per_hour
+        """Each engine's price per hour (None: no cost series)."""
+        self._model = model
+        self._cost = cost
+        self._dtype = dtype
+        self._peaks = peaks
+        self._engines = engines
+        self.window = StepWindow(
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
+        )
+        labels = ["model", "engine", "phase"]
+        self.flops = Counter(
+            "phasescope_model_flops",
+            "Modelled FLOPs of the engine's steps on each device, per phase (the engine's estimate when it gives "
+            "one, else the cost model's: 2 × active parameters per token + attention); mixed steps split in the "
+            "cost model's proportion.",
+            labels,
+            registry=registry,
+        )
+        self.bytes_read = Counter(
+            "phasescope_model_read_bytes",
+            "Modelled bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
+            "in a mixed step decode pays the weights and its own KV, the prefill chunk only what it adds.",
+            labels,
+            registry=registry,
+        )
+        self.written_bytes = Counter(
+            "phasescope_model_written_bytes",
+            "Modelled bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
+            "decode pays its tokens' KV, the prefill chunk the rest.",
+            labels,
+            registry=registry,
+        )
+        self.busy_seconds = Counter(
+            "phasescope_engine_busy_seconds",
+            "Seconds the engine spent executing steps, per phase (mixed steps split by each phase's roofline time).",
+            labels,
+            registry=registry,
+        )
+        self.step_tokens = Counter(
+            "phasescope_engine_step_tokens",
+            "Tokens the engine's steps processed, per phase, as the engine scheduled them (prefill chunks and "
+            "recomputation after preemption count as prefill).",
+            labels,
+            registry=registry,
+        )
+        self.steps = Counter(
+            "phasescope_engine_steps",
+            "Engine steps by kind: prefill (prompt chunks only), decode (decodes only), mixed (both).",
+            ["model", "engine", "kind"],
+            registry=registry,
+        )
+        self.preemptions = Counter(
+            "phasescope_preemptions",
+            "Requests the engine preempted (KV cache full): each recomputes its tokens when resumed.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.inter_token_latency_seconds = Histogram(
+            "phasescope_inter_token_latency_seconds",
+            "Each gap between consecutive output tokens of a request, from the engine core's own step "
+            "timestamps (vLLM's per-step values), whatever the front end coalesced into one chunk.",
+            ["model"],
+            buckets=INTER_TOKEN_SECONDS_BUCKETS,
+            registry=registry,
+        )
+        self.engine_requests = Gauge(
+            "phasescope_engine_requests",
+            "Requests in the engine's scheduler: running (in the batch) or waiting (queued for a slot).",
+            ["model", "engine", "state"],
+            registry=registry,
+        )
+        self.kv_cache_usage = Gauge(
+            "phasescope_kv_cache_usage_ratio",
+            "Share of the engine's KV-cache blocks in use (1 = full: new sequences wait or are preempted).",
+            ["model", "engine"],
+            registry=registry,
+        )
+        for engine in range(engines):
+            for state in ("running", "waiting"):
+                self.engine_requests.labels(model, str(engine), state).set(0)
+            self.kv_cache_usage.labels(model, str(engine)).set(0)
+            self.preemptions.labels(model, str(engine))
+            for kind in STEP_KINDS:
+                self.steps.labels(model, str(engine), kind)
+        self._inter_token = self.inter_token_latency_seconds.labels(model)
+        # Labelled children by engine (and phase), looked up once: record() runs for every engine step.
+        self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
+        self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge]] = {}
+        registry.register(self)
+
+    @property
+    def peak_memory_bandwidth_bytes_per_second(self) -> float:
+        return self._peaks.memory_bandwidth_bytes_per_second
+
+    @property
+    def peak_flops(self) -> float:
+        return self._peaks.peak_flops(self._dtype)
+
+    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        children = self._queue_children.get(engine)
+        if children is None:
+            labels = (self._model, str(engine))
+            children = self._queue_children[engine] = (
+                self.engine_requests.labels(*labels, "running"),
+                self.engine_requests.labels(*labels, "waiting"),
+                self.kv_cache_usage.labels(*labels),
+            )
+        children[0].set(running)
+        children[1].set(waiting)
+        children[2].set(kv_cache_usage)
+        self.window.add_queue(engine, running, waiting, kv_cache_usage)
+
+    def record_iteration(self, iteration: EngineIteration) -> None:
+        observe_all(self._inter_token, iteration.inter_token_seconds)
+        if iteration.preemptions:
+            self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
+
+    def _phase_counters(self, engine: int, phase: str) -> tuple[Counter, Counter, Counter, Counter, Counter]:
+        children = self._phase_children.get((engine, phase))
+        if children is None:
+            labels = (self._model, str(engine), phase)
+            children = self._phase_children[(engine, phase)] = (
+                self.flops.labels(*labels),
+                self.bytes_read.labels(*labels),
+                self.written_bytes.labels(*labels),
+                self.busy_seconds.labels(*labels),
+                self.step_tokens.labels(*labels),
+            )
+        return children
+
+    def record(self, step: StepRecord) -> None:
+        cost = attribute_step(step, self._cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        self.steps.labels(self._model, str(step.engine), step.kind).inc()
+        for phase, share in cost.shares.items():
+            if share.tokens == 0:
+                continue
+            flops, read, written, busy, tokens = self._phase_counters(step.engine, phase)
+            flops.inc(share.flops)
+            read.inc(share.read_bytes)
+            written.inc(share.written_bytes)
+            busy.inc(share.seconds)
+            tokens.inc(share.tokens)
+        self.window.add(step, cost)
+        if self._interference is not None:
+            self._interference.record(step, cost.shares["decode"].seconds)
+
+    def collect(self) -> Iterator[Metric]:
+        phases, devices = self.window.figures()
+        window = f"over the last {self.window.window_seconds:g} s of engine steps"
+        labels = ["model", "engine", "phase"]
+        tokens_per_second = GaugeMetricFamily(
+            "phasescope_tokens_per_second", f"Tokens per second per phase {window}.", labels=labels
+        )
+        bandwidth = GaugeMetricFamily(
+            "phasescope_memory_bandwidth_utilization_ratio",
+            "This phase's part of the device's bandwidth saturation: its bytes moved (read + written) per "
+            f"second ÷ peak bytes/s, {window}; absent when no step carried the phase.",
+            labels=labels,
+        )
+        compute = GaugeMetricFamily(
+            "phasescope_compute_utilization_ratio",
+            f"This phase's part of the device's FLOP/s ÷ peak FLOP/s (MFU), {window}; absent when no step "
+            "carried the phase.",
+            labels=labels,
+        )
+        intensity = GaugeMetricFamily(
+            "phasescope_arithmetic_intensity_flops_per_byte",
+            f"FLOPs per byte moved by this phase (its operating point on the roofline), {window}; absent when no "
+            "step carried the phase.",
+            labels=labels,
+        )
+        batch = GaugeMetricFamily(
+            "phasescope_decode_batch_size",
+            "Mean number of sequences per step that carried decode, over the window (0 when none did).",
+            labels=["model", "engine"],
+        )
+        for (engine, phase), figures in phases.items():
+            values = [self._model, str(engine), phase]
+            tokens_per_second.add_metric(values, figures.tokens_per_second)
+            if figures.memory_bandwidth_utilization is not None:
+                bandwidth.add_metric(values, figures.memory_bandwidth_utilization)
+            if figures.compute_utilization is not None:
+                compute.add_metric(values, figures.compute_utilization)
+            if figures.arithmetic_intensity is not None:
+                intensity.add_metric(values, figures.arithmetic_intensity)
+            if phase == "decode":
+                batch.add_metric([self._model, str(engine)], figures.batch_size or 0.0)
+        yield from (tokens_per_second, bandwidth, compute, intensity, batch)
+        yield from self._device_families(devices, window)
+        yield from self._answer_families(phases, devices)
+        agreement = self.window.agreement()
+        if agreement:
+            family = GaugeMetricFamily(
+                "phasescope_cost_model_agreement_ratio",
+                "The project's cost model ÷ the engine's own estimate over the window (1 = they agree).",
+                labels=["model", "quantity"],
+            )
+            for quantity, ratio in agreement.items():
+                family.add_metric([self._model, quantity], ratio)
+            yield family
+        yield from self._peak_families()
+
+    def views(self) -> tuple[float, list[EngineView]]:
+        """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
+        phases, devices = self.window.figures()
+        return self.window.length(), self._views(phases, devices)
+
+    def _views(
+        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
+    ) -> list[EngineView]:
+        length = self.window.length()
+        queue_shares = self.window.queue_shares()
+        schedulers = self.window.schedulers()
+        views = []
+        for engine, device in devices.items():
+            share = queue_shares.get(engine, 0.0)
+            running, waiting, kv_usage = schedulers.get(engine, (0, 0, 0.0))
+            cost = None
+            if self._cost_per_hour is not None:
+                cost = token_cost(
+                    self._cost_per_hour,
+                    length,
+                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
+                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
+                    device.compute_idle,
+                )
+            phase_views = {}
+            for phase in PHASES:
+                figures = phases[(engine, phase)]
+                work = PhaseWork(
+                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
+                )
+                phase_views[phase] = PhaseView(
+                    figures,
+                    phase_verdict(phase, work, length, share),
+                    cost.per_million_tokens.get(phase) if cost is not None else None,
+                )
+            views.append(
+                EngineView(
+                    engine=engine,
+                    device=device,
+                    phases=phase_views,
+                    running=running,
+                    waiting=waiting,
+                    kv_cache_usage=kv_usage,
+                    queue_share=share,
+                    headroom=headroom(
+                        self._headroom_limits,
+                        device.memory_bandwidth_utilization,
+                        device.compute_utilization,
+                        kv_usage,
+                        share,
+                    ),
+                    idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
+                )
+            )
+        return views
+
+    def _answer_families(
+        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
+    ) -> Iterator[Metric]:
+        """The verdict per phase, headroom per engine and cost per token (phasescope.telemetry.step.verdict)."""
+        bound = GaugeMetricFamily(
+            "phasescope_bound",
+            "What bounds the phase over the window: 1 for the current verdict (memory, compute, host, queue, "
+            "idle), 0 for the others (docs/metrics.md, reading the verdict).",
+            labels=["model", "engine", "phase", "verdict"],
+        )
+        overhead = GaugeMetricFamily(
+            "phasescope_host_overhead_ratio",
+            "1 − the roofline's predicted step time ÷ the measured step time for the phase's work over the window: "
+            "the share of step time the device's peaks do not explain; absent when no step carried the phase.",
+            labels=["model", "engine", "phase"],
+        )
+        queue = GaugeMetricFamily(
+            "phasescope_queue_wait_ratio",
+            "Share of the request time in the engine spent waiting for a slot (waiting ÷ waiting + running, "
+            "time-weighted) over the window.",
+            labels=["model", "engine"],
+        )
+        room = GaugeMetricFamily(
+            "phasescope_headroom_ratio",
+            "How much more load the engine can take before its nearest limit (the limit label: bandwidth, compute, "
+            "kv_cache or queue, each set by --headroom-*): 1 − used ÷ limit of the binding one, over the window.",
+            labels=["model", "engine", "limit"],
+        )
+        per_million = GaugeMetricFamily(
+            "phasescope_cost_per_million_tokens",
+            "The engine's price over the window (--accelerator-cost-per-hour) shared between the phases by busy "
+            "time, per million of each phase's tokens; absent without a price or tokens.",
+            labels=["model", "engine", "phase"],
+        )
+        idle_cost = GaugeMetricFamily(
+            "phasescope_idle_cost_per_hour",
+            "The engine's price per hour × its compute idleness (1 − MFU) over the window: what is paid for unused "
+            "compute; absent without --accelerator-cost-per-hour.",
+            labels=["model", "engine"],
+        )
+        for view in self._views(phases, devices):
+            labels = [self._model, str(view.engine)]
+            queue.add_metric(labels, view.queue_share)
+            for phase, phase_view in view.phases.items():
+                verdict = phase_view.verdict
+                for name in VERDICTS:
+                    bound.add_metric([*labels, phase, name], 1.0 if name == verdict.verdict else 0.0)
+                if verdict.host_overhead is not None:
+                    overhead.add_metric([*labels, phase], verdict.host_overhead)
+                if phase_view.cost_per_million_tokens is not None:
+                    per_million.add_metric([*labels, phase], phase_view.cost_per_million_tokens)
+            room.add_metric([*labels, view.headroom.limit], view.headroom.ratio)
+            if view.idle_cost_per_hour is not None:
+                idle_cost.add_metric(labels, view.idle_cost_per_hour)
+        yield from (bound, overhead, queue, room)
+        if self._cost_per_hour is not None:
+            yield from (per_million, idle_cost)
+
+    def _device_families(self, devices: dict[int, DeviceFigures], window: str) -> Iterator[Metric]:
+        labels = ["model", "engine"]
+        bandwidth = GaugeMetricFamily(
+            "phasescope_device_memory_bandwidth_utilization_ratio",
+            f"Bandwidth saturation of the engine's device, all steps: bytes moved per second ÷ peak bytes/s, {window}.",
+            labels=labels,
+        )
+        compute = GaugeMetricFamily(
+            "phasescope_device_compute_utilization_ratio",
+            f"MFU of the engine's device, all steps: FLOP/s ÷ peak FLOP/s, {window}.",
+            labels=labels,
+        )
+        idle = GaugeMetricFamily(
+            "phasescope_device_compute_idle_ratio",
+            f"Compute idleness of the engine's device: 1 − its MFU over all steps, {window} (1 when idle).",
+            labels=labels,
+        )
+        intensity = GaugeMetricFamily(
+            "phasescope_device_arithmetic_intensity_flops_per_byte",
+            f"FLOPs per byte moved, all steps, {window}; absent when no step ran.",
+            labels=labels,
+        )
+        busy = GaugeMetricFamily(
+            "phasescope_engine_busy_ratio",
+            f"Share of the window the engine spent executing steps, {window}.",
+            labels=labels,
+        )
+        for engine, figures in devices.items():
+            values = [self._model, str(engine)]
+            bandwidth.add_metric(values, figures.memory_bandwidth_utilization)
+            compute.add_metric(values, figures.compute_utilization)
+            idle.add_metric(values, figures.compute_idle)
+            if figures.arithmetic_intensity is not None:
+                intensity.add_metric(values, figures.arithmetic_intensity)
+            busy.add_metric(values, figures.busy_ratio)
+        yield from (bandwidth, compute, idle, intensity, busy)
+
+    def _peak_families(self) -> Iterator[Metric]:
+        source = self._peaks.source
+        bandwidth = GaugeMetricFamily(
+            "phasescope_hardware_peak_memory_bandwidth_bytes_per_second",
+            "Peak memory bandwidth each engine is judged against (a CPU's is shared between its engines).",
+            labels=["model", "source"],
+        )
+        bandwidth.add_metric([self._model, source], self.peak_memory_bandwidth_bytes_per_second)
+        flops = GaugeMetricFamily(
+            "phasescope_hardware_peak_flops_per_second",
+            "Peak dense FLOP/s in the served dtype each engine is judged against.",
+            labels=["model", "source", "dtype"],
+        )
+        flops.add_metric([self._model, source, self._dtype], self.peak_flops)
+        ridge = GaugeMetricFamily(
+            "phasescope_roofline_ridge_point_flops_per_byte",
+            "Ridge point = peak FLOP/s ÷ peak bytes/s: the intensity above which a step is compute-bound.",
+            labels=["model"],
+        )
+        ridge.add_metric([self._model], self.peak_flops / self.peak_memory_bandwidth_bytes_per_second)
+        info = GaugeMetricFamily(
+            "phasescope_hardware_info",
+            "The device the engines run on and where its peaks came from (value is always 1).",
+            labels=["model", "device", "source", "engines"],
+        )
+        info.add_metric([self._model, self._peaks.description or self._peaks.device, source, str(self._engines)], 1.0)
+        yield from (bandwidth, flops, ridge, info)

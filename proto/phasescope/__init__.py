@@ -1,1 +1,0 @@
-"""phasescope wire contract (generated code lives in phasescope.v1)."""

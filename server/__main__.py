@@ -1,8 +1,0 @@
-"""`python -m server` runs the CLI. The guard matters: vLLM spawns engine processes that re-import this module."""
-
-import sys
-
-from server.cli import main
-
-if __name__ == "__main__":
-    sys.exit(main())

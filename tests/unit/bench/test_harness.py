@@ -1,0 +1,94 @@
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from phasescope.bench.harness import ManagedProcess, StartError, free_port, health_status
+
+# A parent that starts a child in its own process group, prints the child's pid, and sleeps.
+PARENT_WITH_CHILD = (
+    "import subprocess, sys, time; "
+    "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+    "print(child.pid, flush=True); time.sleep(60)"
+)
+
+
+def ends(pid: int, timeout: float = 10.0) -> bool:
+    """Whether the process ends in time (a zombie waiting for an init that may not reap it counts as ended)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if psutil.Process(pid).status() == psutil.STATUS_ZOMBIE:
+                return True
+        except psutil.NoSuchProcess:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+def child_pid(process: ManagedProcess) -> int:
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        text = process.log_path.read_text().strip()
+        if text:
+            return int(text)
+        time.sleep(0.05)
+    raise TimeoutError(process.log_tail())
+
+
+def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
+    process = ManagedProcess([sys.executable, "-c", PARENT_WITH_CHILD], tmp_path / "log")
+    child = child_pid(process)
+    process.stop(timeout=10)
+    # The child outlived its parent's SIGTERM; the group's SIGKILL ended it.
+    assert ends(child)
+    assert process.stop() == process.process.returncode  # a second stop leaves it as it is
+
+
+def test_a_managed_process_has_its_own_group_but_shares_the_callers_session(tmp_path: Path) -> None:
+    # Its own process group, so stop() can end the whole tree; the caller's session, so the kernel's
+    # autogroup scheduler does not give a server and its engine a CPU share of their own against the
+    # benchmark's client (the cause of stalled streams at 16 streams, docs/benchmarks.md).
+    process = ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log")
+    try:
+        assert os.getpgid(process.process.pid) == process.process.pid != os.getpgid(0)
+        assert os.getsid(process.process.pid) == os.getsid(0)
+    finally:
+        process.stop(timeout=10)
+
+
+def test_a_process_that_exits_during_start_up_is_reported_with_its_log(tmp_path: Path) -> None:
+    process = ManagedProcess([sys.executable, "-c", "raise SystemExit(3)"], tmp_path / "log")
+    with pytest.raises(StartError, match=r"probe exited with 3; see .*log"):
+        process.wait_until(lambda: False, "probe", poll_seconds=0.05)
+
+
+def test_a_start_that_is_never_ready_stops_the_group(tmp_path: Path) -> None:
+    process = ManagedProcess([sys.executable, "-c", PARENT_WITH_CHILD], tmp_path / "log")
+    child = child_pid(process)
+    with pytest.raises(StartError, match="probe not ready after 0 s"):
+        process.wait_until(lambda: False, "probe", timeout=0.3, poll_seconds=0.05)
+    assert process.process.poll() is not None
+    assert ends(child)
+
+
+def test_a_ready_check_that_raises_counts_as_not_ready(tmp_path: Path) -> None:
+    checks: list[int] = []
+
+    def ready() -> bool:
+        checks.append(1)
+        if len(checks) < 3:
+            raise ConnectionRefusedError
+        return True
+
+    with ManagedProcess([sys.executable, "-c", "import time; time.sleep(60)"], tmp_path / "log") as process:
+        process.wait_until(ready, "probe", timeout=30, poll_seconds=0.01)
+    assert len(checks) == 3
+    assert process.process.poll() is not None
+
+
+def test_health_of_a_port_where_nothing_listens_is_unreachable() -> None:
+    assert health_status(f"127.0.0.1:{free_port()}") == "UNREACHABLE"

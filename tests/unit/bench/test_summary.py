@@ -1,0 +1,47 @@
+import pytest
+
+from phasescope.bench.summary import ratios, summarize
+from phasescope.bench.workload import RequestRecord
+
+
+def record(index: int, sent: float, token_times: list[float], error: str = "") -> RequestRecord:
+    return RequestRecord(index, sent, token_times, len(token_times), prompt_tokens=10, error=error)
+
+
+def test_summary_follows_the_bench_serve_definitions() -> None:
+    records = [
+        record(0, 0.0, [0.1, 0.3, 0.5]),  # TTFT 100 ms, TPOT (500 − 100) ÷ 2 = 200 ms
+        record(1, 1.0, [1.3, 1.4]),  # TTFT 300 ms, TPOT 100 ms
+        record(2, 2.0, [], error="DEADLINE_EXCEEDED"),
+    ]
+    summary = summarize(records, duration=2.0)
+    assert (summary["completed"], summary["errors"], summary["timeouts"]) == (2, 1, 1)
+    assert summary["total_output_tokens"] == 5
+    assert summary["output_throughput"] == pytest.approx(2.5)
+    assert summary["total_token_throughput"] == pytest.approx((5 + 20) / 2.0)
+    assert summary["mean_ttft_ms"] == pytest.approx(200.0)
+    assert summary["max_tpot_ms"] == pytest.approx(200.0)
+    # ITL pools every gap: 200, 200 and 100 ms.
+    assert summary["median_itl_ms"] == pytest.approx(200.0)
+    assert summary["max_e2el_ms"] == pytest.approx(500.0)
+
+
+def test_a_point_without_completions_reports_zero_latencies() -> None:
+    summary = summarize([record(0, 0.0, [], error="UNAVAILABLE")], duration=1.0)
+    assert summary["completed"] == 0
+    assert summary["p99_ttft_ms"] == 0.0
+
+
+def test_ratios_set_phasescope_beside_the_other_targets_at_the_same_point() -> None:
+    point = {"load": "concurrency", "value": 4.0}
+    results = [
+        {**point, "target": "phasescope", "output_throughput": 90.0, "median_ttft_ms": 30.0,
+         "frontend_cpu_seconds_per_1k_tokens": 0.08},
+        {**point, "target": "in-process", "output_throughput": 100.0, "median_ttft_ms": 20.0},
+        {**point, "target": "vllm-openai", "output_throughput": 95.0, "median_ttft_ms": 25.0,
+         "frontend_cpu_seconds_per_1k_tokens": 0.06},
+    ]  # fmt: skip
+    (row,) = ratios(results)
+    assert row["throughput_vs_in-process"] == pytest.approx(0.9)
+    assert row["median_ttft_ms_minus_vllm-openai"] == pytest.approx(5.0)
+    assert row["frontend_cpu_vs_vllm-openai"] == pytest.approx(0.08 / 0.06)

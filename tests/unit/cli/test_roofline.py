@@ -1,0 +1,172 @@
+import json
+import struct
+from pathlib import Path
+
+import pytest
+
+from phasescope.cli.main import main
+from support.model_configs import LLAMA_3_1_70B, MIXTRAL_8X7B
+
+
+def test_reference_case_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert (
+        main(["roofline", "--params", "70e9", "--dtype", "bf16", "--hardware", "h100-sxm", "--batch-sizes", "1"]) == 0
+    )
+    out = capsys.readouterr().out
+    assert "23.93" in out  # tokens/s per sequence
+    assert "3.350" in out  # TFLOP/s
+    assert "0.34%" in out  # compute utilisation
+    assert "99.66%" in out  # idle
+    assert "compute-bound at batch 296" in out
+
+
+def test_json_carries_the_same_figures_as_the_table(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,8", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["compute_bound_batch_size"] == 296
+    # Batch 8 shares each weight read between 8 sequences: 8 × the single-sequence FLOP/s.
+    batch_1, batch_8 = data["rows"]
+    assert batch_8["achieved_flops_per_second"] == pytest.approx(8 * batch_1["achieved_flops_per_second"], rel=1e-3)
+    assert [row["batch_size"] for row in data["rows"]] == [1, 8]
+    assert data["rows"][0]["compute_idle"] == pytest.approx(0.9966, abs=1e-4)
+
+
+def test_plot_is_a_png_of_the_expected_size(tmp_path: Path) -> None:
+    path = tmp_path / "roofline.png"
+    assert main(["roofline", "--params", "7e9", "--hardware", "l4", "--plot", str(path)]) == 0
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    width, height = struct.unpack(">II", data[16:24])
+    assert (width, height) == (800, 550)
+
+
+def test_model_folder_gives_kv_bytes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    config = {"hidden_size": 576, "num_attention_heads": 9, "num_key_value_heads": 3, "num_hidden_layers": 30}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    argv = ["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "134515008", "--json"]
+    assert main([*argv, "--dtype", "bf16", "--hardware", "a10g"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 2
+    assert data["weight_bytes"] == 134515008 * 2
+
+
+def refusal(argv: list[str], capsys: pytest.CaptureFixture[str]) -> str:
+    """Exit status 2 and exactly one line on stderr, no traceback."""
+    assert main(argv) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1, captured.err
+    assert "Traceback" not in captured.err
+    return lines[0]
+
+
+def test_unknown_hardware_is_refused_naming_the_known_ones(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--params", "1e9", "--hardware", "abacus"], capsys)
+    assert "unknown --hardware 'abacus'" in line
+    assert "h100-sxm" in line
+
+
+def test_a_missing_model_path_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--model", str(tmp_path / "nowhere"), "--parameters-in-checkpoint", "7e9"], capsys)
+    assert f"no model at {tmp_path / 'nowhere'}" in line
+
+
+def test_a_config_without_the_shape_names_what_it_lacks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # A bare MoE config of the kind that printed a traceback: no layer count, width or heads.
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["MixtralForCausalLM"], "vocab_size": 32000}))
+    line = refusal(["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "46.7e9"], capsys)
+    assert "lacks num_hidden_layers, hidden_size, num_attention_heads" in line
+
+
+def test_a_config_that_is_not_json_is_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text("{not json")
+    assert "is not JSON" in refusal(["roofline", "--model", str(tmp_path), "--parameters-in-checkpoint", "1e9"], capsys)
+
+
+def test_an_unknown_dtype_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "unknown dtype 'fp7'" in refusal(["roofline", "--params", "1e9", "--dtype", "fp7"], capsys)
+
+
+def test_tensor_parallel_figures_are_per_device(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # No checkpoint: the parameter count (70,553,706,496) is derived from the config.
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
+    argv = ["roofline", "--model", str(tmp_path), "--tensor-parallel-size", "4", "--batch-sizes", "1", "--json"]
+    assert main(argv) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["parameter_count"], data["tensor_parallel_size"]) == (70_553_706_496, 4)
+    assert data["weight_bytes"] == 2 * 70_553_706_496 / 4
+    assert data["kv_bytes_per_token"] == 2 * 80 * 2 * 128 * 2  # 2 of the 8 KV heads per GPU
+    # Each H100 streams its quarter: 35.3 GB ÷ 3.35 TB/s per step.
+    assert data["rows"][0]["step_seconds"] == pytest.approx(2 * 70_553_706_496 / 4 / 3.35e12)
+
+
+def test_kv_cache_dtype_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
+    assert main(["roofline", "--model", str(tmp_path), "--kv-cache-dtype", "fp8", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 1
+
+
+def test_live_points_are_judged_against_the_server_s_own_peaks() -> None:
+    from phasescope.cli.roofline import live_points, served_peaks
+    from phasescope.telemetry.exposition import parse_samples
+
+    # What a CPU server exports (its measured peaks) — not --hardware's H100 default.
+    text = "\n".join(
+        [
+            "# TYPE phasescope_hardware_peak_memory_bandwidth_bytes_per_second gauge",
+            'phasescope_hardware_peak_memory_bandwidth_bytes_per_second{model="m",source="measured"} 2e10',
+            "# TYPE phasescope_hardware_peak_flops_per_second gauge",
+            'phasescope_hardware_peak_flops_per_second{model="m",source="measured",dtype="float32"} 4e11',
+            "# TYPE phasescope_hardware_info gauge",
+            'phasescope_hardware_info{model="m",device="cpu (Xeon)",source="measured",engines="1"} 1',
+            "# TYPE phasescope_compute_utilization_ratio gauge",
+            'phasescope_compute_utilization_ratio{model="m",engine="0",phase="decode"} 0.01',
+            "# TYPE phasescope_arithmetic_intensity_flops_per_byte gauge",
+            'phasescope_arithmetic_intensity_flops_per_byte{model="m",engine="0",phase="decode"} 0.5',
+            "",
+        ]
+    )
+    samples = parse_samples(text)
+    peaks = served_peaks(samples)
+    assert peaks is not None
+    assert (peaks.memory_bandwidth_bytes_per_second, peaks.peak_flops("float32")) == (2e10, 4e11)
+    assert (peaks.source, peaks.device) == ("measured", "cpu (Xeon)")
+    (point,) = live_points(samples)
+    assert point["achieved_flops_per_second"] == pytest.approx(0.01 * 4e11)
+
+
+def test_bad_parallel_sizes_are_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    line = refusal(["roofline", "--params", "1e9", "--tensor-parallel-size", "0"], capsys)
+    assert "--tensor-parallel-size and --pipeline-parallel-size must be at least 1" in line
+
+
+def test_a_moe_config_without_checkpoint_is_costed_from_its_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The bare Mixtral config that once printed a traceback now gives a table: 46.7B parameters, 12.9B active.
+    config = MIXTRAL_8X7B
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    assert main(["roofline", "--model", str(tmp_path), "--hardware", "h200", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["parameter_count"], data["active_parameter_count"]) == (46_702_792_704, 12_879_925_248)
+
+
+def test_cost_per_million_tokens_at_each_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,64", "--json"]
+    assert main([*argv, "--cost-per-hour", "2.5"]) == 0
+    batch_1, batch_64 = json.loads(capsys.readouterr().out)["rows"]
+    # $2.50 an hour buys 3,600 s × 23.93 tok/s at batch 1: $29.02 per million tokens; batch 64 shares it 64 ways.
+    assert batch_1["cost_per_million_tokens"] == pytest.approx(2.5 / (3.35e12 / 140e9 * 3600) * 1e6)
+    assert batch_64["cost_per_million_tokens"] == pytest.approx(batch_1["cost_per_million_tokens"] / 64)
+    # TP 4 pays four GPUs for a step each streams a quarter of: four times the price, four times the tokens.
+    assert main([*argv, "--cost-per-hour", "2.5", "--tensor-parallel-size", "4"]) == 0
+    tp_batch_1 = json.loads(capsys.readouterr().out)["rows"][0]
+    assert tp_batch_1["decode_tokens_per_second_total"] == pytest.approx(4 * batch_1["decode_tokens_per_second_total"])
+    assert tp_batch_1["cost_per_million_tokens"] == pytest.approx(batch_1["cost_per_million_tokens"])
+
+
+def test_a_negative_price_is_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    assert "--cost-per-hour must be 0 or more" in refusal(
+        ["roofline", "--params", "1e9", "--cost-per-hour", "-1"], capsys
+    )

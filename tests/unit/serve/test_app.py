@@ -1,0 +1,159 @@
+"""The server's lifecycle without vLLM: health while the engine starts, serving, draining, engine death."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import gc
+import sys
+import threading
+from collections.abc import AsyncIterator
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+
+from phasescope.client.client import AsyncClient, build_request
+from phasescope.serve.app import Server, event_loop_factory
+from phasescope.serve.config import Settings, SettingsError
+from phasescope.telemetry.step.steps import StepForwarder
+from support.fake_engine import ScriptedEngine
+
+SETTINGS = Settings(
+    model="/models/scripted",
+    port=0,
+    metrics_port=0,
+    # Flags for both peaks: nothing is measured.
+    peak_memory_bandwidth=100e9,
+    peak_flops=1e12,
+    shutdown_grace_seconds=5,
+)
+
+
+class Factory:
+    """Starts a scripted engine when released, as a slow weight load would."""
+
+    def __init__(self) -> None:
+        self.engine = ScriptedEngine()
+        self.release = threading.Event()
+
+    def __call__(self, settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> ScriptedEngine:
+        assert (model_path, model_name) == ("/models/scripted", "scripted")
+        self.release.wait(10)
+        return self.engine
+
+
+async def wait_for_port(server: Server) -> str:
+    for _ in range(500):
+        if server.grpc_port:
+            return f"127.0.0.1:{server.grpc_port}"
+        await asyncio.sleep(0.01)
+    raise AssertionError("the server never listened")
+
+
+async def wait_for_health(client: AsyncClient, wanted: str) -> list[str]:
+    seen: list[str] = []
+    for _ in range(500):
+        status = await client.health()
+        if not seen or seen[-1] != status:
+            seen.append(status)
+        if status == wanted:
+            return seen
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"health never said {wanted}: {seen}")
+
+
+@contextlib.asynccontextmanager
+async def serving(factory: Factory) -> AsyncIterator[tuple[Server, asyncio.Task[int], AsyncClient]]:
+    """A server on the released scripted engine, its run() task, and a client, once health says SERVING."""
+    factory.release.set()
+    server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+    running = asyncio.create_task(server.run())
+    async with AsyncClient(await wait_for_port(server), timeout_seconds=5) as client:
+        await wait_for_health(client, "SERVING")
+        yield server, running, client
+
+
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> None:
+    if loop == "uvloop":
+        pytest.importorskip("uvloop")  # installed with vLLM: the served default
+    factory = Factory()
+
+    async def scenario() -> tuple[list[str], str, int, grpc.StatusCode]:
+        server = Server(SETTINGS, CollectorRegistry(), engine_factory=factory)
+        running = asyncio.create_task(server.run())
+        async with AsyncClient(await wait_for_port(server), timeout_seconds=5) as client:
+            # Listening before the engine is up, and saying so.
+            assert await client.health() == "NOT_SERVING"
+            with_engine_starting = client.generate(build_request(prompt="too early", max_tokens=2))
+            try:
+                await with_engine_starting
+                early = grpc.StatusCode.OK
+            except grpc.aio.AioRpcError as exc:
+                early = exc.code()
+            factory.release.set()
+            history = await wait_for_health(client, "SERVING")
+            answer = await client.generate(build_request(prompt="hello there", max_tokens=3))
+            server.request_stop()
+            code = await running
+        return history, answer.text, code, early
+
+    with asyncio.Runner(loop_factory=event_loop_factory(loop)) as runner:
+        history, text, code, early = runner.run(scenario())
+    assert early is grpc.StatusCode.UNAVAILABLE
+    assert history[-1] == "SERVING"
+    assert factory.engine.warmed_up
+    assert text == "t11 t12 t13 "
+    assert code == 0
+    assert factory.engine.closed
+
+
+def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
+    factory = Factory()
+
+    async def scenario() -> tuple[int, str]:
+        async with serving(factory) as (_, running, _):
+            factory.engine.dead = True
+            code = await asyncio.wait_for(running, 10)
+        return code, "closed" if factory.engine.closed else "open"
+
+    code, engine_state = asyncio.run(scenario())
+    assert code == 1
+    assert engine_state == "closed"
+
+
+def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert event_loop_factory("asyncio") is None
+    uvloop = pytest.importorskip("uvloop")
+    assert event_loop_factory("auto") is uvloop.new_event_loop
+    assert event_loop_factory("uvloop") is uvloop.new_event_loop
+    monkeypatch.setitem(sys.modules, "uvloop", None)  # as if not installed
+    assert event_loop_factory("auto") is None
+    with pytest.raises(SettingsError, match="uvloop is not installed"):
+        event_loop_factory("uvloop")
+    with pytest.raises(SettingsError, match="--event-loop must be auto, uvloop or asyncio"):
+        Settings(event_loop="trio").validate()
+
+
+def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
+    factory = Factory()
+
+    async def scenario() -> tuple[bool, int]:
+        async with serving(factory) as (server, running, _):
+            # A full collection now skips everything alive at start-up.
+            tracked = {id(o) for o in gc.get_objects()}
+            start_up_held_back = id(factory.engine) not in tracked and gc.get_freeze_count() > 0
+            server.request_stop()
+            code = await running
+        return start_up_held_back, code
+
+    try:
+        held_back, code = asyncio.run(scenario())
+        assert code == 0
+        assert held_back
+        # Stopped: the engine's objects are collectable again (an engine closed in-process is freed).
+        assert gc.get_freeze_count() == 0
+        assert any(o is factory.engine for o in gc.get_objects())
+    finally:
+        gc.unfreeze()

@@ -1,0 +1,187 @@
+import math
+
+import pytest
+
+from phasescope.engine.request import ModelLimits
+from phasescope.errors import InvalidRequestError
+from phasescope.serve.validation import (
+    MAX_STOP_STRINGS,
+    UndecodableRequest,
+    build_sampling,
+    check_prompt_length,
+    decode_generate_request,
+    parse_generate_input,
+)
+from phasescope.v1 import inference_pb2 as pb
+
+# At most 99 prompt tokens of at most 8 characters each: 792 characters.
+LIMITS = ModelLimits(max_model_len=100, vocab_size=1000, max_chars_per_token=8)
+
+
+def sampling(**values: object) -> pb.SamplingParams:
+    return pb.SamplingParams(**values)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    ("request_message", "field"),
+    [
+        (pb.GenerateRequest(), "input"),
+        (pb.GenerateRequest(prompt=""), "prompt"),
+        (pb.GenerateRequest(chat=pb.Chat()), "chat.messages"),
+        (
+            pb.GenerateRequest(
+                chat=pb.Chat(messages=[pb.ChatMessage(role="user", content="hi"), pb.ChatMessage(role="wizard")])
+            ),
+            "chat.messages[1].role",
+        ),
+        (pb.GenerateRequest(token_ids=pb.TokenIds()), "token_ids.ids"),
+        (pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1, 1000])), "token_ids.ids[1]"),
+        (pb.GenerateRequest(request_id="x" * 300, prompt="hi"), "request_id"),
+        (pb.GenerateRequest(prompt="x" * 793), "prompt"),
+        (
+            pb.GenerateRequest(
+                chat=pb.Chat(
+                    messages=[
+                        pb.ChatMessage(role="system", content="x" * 400),
+                        pb.ChatMessage(role="user", content="y" * 393),
+                    ]
+                )
+            ),
+            "chat",
+        ),
+    ],
+)
+def test_bad_input_names_its_field(request_message: pb.GenerateRequest, field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_generate_input(request_message, LIMITS)
+    assert caught.value.field == field
+
+
+def test_text_that_could_still_fit_goes_on_to_be_tokenised() -> None:
+    # 792 characters might be 99 tokens: only the tokenizer can tell.
+    assert parse_generate_input(pb.GenerateRequest(prompt="x" * 792), LIMITS).prompt == "x" * 792
+    chat = pb.Chat(
+        messages=[pb.ChatMessage(role="system", content="x" * 400), pb.ChatMessage(role="user", content="y" * 392)]
+    )
+    assert len(parse_generate_input(pb.GenerateRequest(chat=chat), LIMITS).chat) == 2
+
+
+def test_text_too_long_for_any_tokenisation_says_why() -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        parse_generate_input(pb.GenerateRequest(prompt="x" * 10_000), LIMITS)
+    assert str(caught.value) == (
+        "prompt: 10000 characters cannot fit in the context window of 100 tokens "
+        "(no token of this model spans more than 8 characters, so at most 792 fit)"
+    )
+
+
+def test_each_input_kind_is_parsed() -> None:
+    assert parse_generate_input(pb.GenerateRequest(prompt="hi"), LIMITS).prompt == "hi"
+    chat = parse_generate_input(
+        pb.GenerateRequest(chat=pb.Chat(messages=[pb.ChatMessage(role="system", content="be brief")])), LIMITS
+    )
+    assert chat.kind == "chat"
+    assert chat.chat[0].role == "system"
+    assert parse_generate_input(pb.GenerateRequest(token_ids=pb.TokenIds(ids=[0, 999])), LIMITS).token_ids == (0, 999)
+
+
+def test_two_input_kinds_on_the_wire_are_refused() -> None:
+    # A typed client cannot send two members of a oneof; raw bytes can.
+    data = (
+        pb.GenerateRequest(prompt="a").SerializeToString()
+        + pb.GenerateRequest(token_ids=pb.TokenIds(ids=[1])).SerializeToString()
+    )
+    decoded = decode_generate_request(data)
+    assert isinstance(decoded, UndecodableRequest)
+    assert decoded.field == "input"
+
+
+def test_garbage_bytes_are_undecodable() -> None:
+    decoded = decode_generate_request(b"\xff\xff\xff\xff")
+    assert isinstance(decoded, UndecodableRequest)
+    assert decoded.field == "request"
+
+
+def test_invalid_utf8_in_a_stop_string_is_undecodable() -> None:
+    good = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(stop=["ab"])).SerializeToString()
+    bad = good.replace(b"ab", b"\xc3\x28")
+    assert isinstance(decode_generate_request(bad), UndecodableRequest)
+
+
+def test_well_formed_request_decodes() -> None:
+    message = pb.GenerateRequest(prompt="hi", sampling=pb.SamplingParams(max_tokens=3))
+    decoded = decode_generate_request(message.SerializeToString())
+    assert decoded == message
+
+
+@pytest.mark.parametrize(
+    ("values", "field"),
+    [
+        ({"max_tokens": 0}, "sampling.max_tokens"),
+        ({"max_tokens": 91}, "sampling.max_tokens"),  # 10 prompt tokens + 91 > 100
+        ({"temperature": -0.1}, "sampling.temperature"),
+        ({"temperature": math.nan}, "sampling.temperature"),
+        ({"temperature": math.inf}, "sampling.temperature"),
+        ({"top_p": 0.0}, "sampling.top_p"),
+        ({"top_p": 1.5}, "sampling.top_p"),
+        ({"top_k": -2}, "sampling.top_k"),
+        ({"min_p": 1.1}, "sampling.min_p"),
+        ({"presence_penalty": 2.5}, "sampling.presence_penalty"),
+        ({"frequency_penalty": -3.0}, "sampling.frequency_penalty"),
+        ({"repetition_penalty": 0.0}, "sampling.repetition_penalty"),
+        ({"stop": [""]}, "sampling.stop[0]"),
+        ({"stop": ["x" * 2000]}, "sampling.stop[0]"),
+        ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop"),
+        ({"stop_token_ids": [5, 1000]}, "sampling.stop_token_ids[1]"),
+    ],
+)
+def test_bad_sampling_names_its_field(values: dict[str, object], field: str) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        build_sampling(sampling(**values), prompt_tokens=10, limits=LIMITS)
+    assert caught.value.field == field
+    assert str(caught.value).startswith(field + ":")
+
+
+def test_token_ids_only_turns_detokenisation_off_and_refuses_stop_strings() -> None:
+    assert build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS).detokenize
+    spec = build_sampling(sampling(max_tokens=4, stop_token_ids=[5]), prompt_tokens=10, limits=LIMITS,
+                          token_ids_only=True)  # fmt: skip
+    assert not spec.detokenize
+    assert spec.stop_token_ids == (5,)
+    with pytest.raises(InvalidRequestError) as caught:
+        build_sampling(sampling(max_tokens=4, stop=["."]), prompt_tokens=10, limits=LIMITS, token_ids_only=True)
+    assert caught.value.field == "token_ids_only"
+
+
+def test_a_stream_interval_is_passed_on_and_0_leaves_the_servers() -> None:
+    assert build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS).stream_interval is None
+    spec = build_sampling(sampling(max_tokens=4), prompt_tokens=10, limits=LIMITS, stream_interval=8)
+    assert spec.stream_interval == 8
+
+
+def test_unset_sampling_takes_defaults_and_fills_the_context() -> None:
+    spec = build_sampling(pb.SamplingParams(), prompt_tokens=10, limits=LIMITS)
+    assert spec.max_tokens == 90
+    assert spec.temperature is None
+    assert spec.top_p is None
+    assert spec.seed is None
+
+
+def test_explicit_zero_temperature_is_kept() -> None:
+    # proto3 `optional` tells "unset" from 0: greedy must not fall back to the default.
+    spec = build_sampling(sampling(temperature=0.0, top_k=-1, max_tokens=90, seed=7), prompt_tokens=10, limits=LIMITS)
+    assert spec.temperature == 0.0
+    assert spec.top_k == -1
+    assert spec.max_tokens == 90
+    assert spec.seed == 7
+
+
+@pytest.mark.parametrize("prompt_tokens", [0, 100, 150])
+def test_prompt_without_room_for_output_is_refused(prompt_tokens: int) -> None:
+    with pytest.raises(InvalidRequestError) as caught:
+        check_prompt_length(prompt_tokens, LIMITS, "prompt")
+    assert caught.value.field == "prompt"
+
+
+def test_prompt_one_token_short_of_the_window_is_accepted() -> None:
+    check_prompt_length(99, LIMITS, "prompt")
