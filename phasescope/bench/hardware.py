@@ -26,6 +26,7 @@ from typing import Any
 
 from phasescope.bench.spread import most_frequent
 from phasescope.telemetry.exposition import Samples, fetch_samples, sum_samples
+from phasescope.telemetry.request.stages import ANSWERED
 
 logger = logging.getLogger(__name__)
 
@@ -43,10 +44,10 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
         return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
 
     view: dict[str, float] = {}
-    for phase in ("frontend", "queue", "prefill", "decode"):
-        count = delta("phasescope_request_phase_seconds_count", phase=phase)
-        total = delta("phasescope_request_phase_seconds_sum", phase=phase)
-        view[f"server_mean_{phase}_ms"] = total / count * 1e3 if count else 0.0
+    for stage in ANSWERED:
+        count = delta("phasescope_request_phase_seconds_count", phase=stage.name)
+        total = delta("phasescope_request_phase_seconds_sum", phase=stage.name)
+        view[f"server_mean_{stage.name}_ms"] = total / count * 1e3 if count else 0.0
     view["server_requests_without_first_token"] = delta("phasescope_requests_without_first_token_total")
     peak_bandwidth = sum_samples(after, "phasescope_hardware_peak_memory_bandwidth_bytes_per_second")
     peak_flops = sum_samples(after, "phasescope_hardware_peak_flops_per_second")

@@ -7,6 +7,7 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from phasescope.cli.connection import add_client_parser, credentials
+from phasescope.telemetry.request.stages import STAGES
 
 if TYPE_CHECKING:
     from phasescope.cli import Subparsers
@@ -32,12 +33,20 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def format_timings(t: pb.Timings) -> str:
-    return (
-        f"frontend {t.frontend_seconds * 1e3:.1f} ms | intake {t.intake_seconds * 1e3:.1f} ms | "
-        f"queue {t.queue_seconds * 1e3:.1f} ms | prefill {t.prefill_seconds * 1e3:.1f} ms | "
-        f"decode {t.decode_seconds * 1e3:.1f} ms | TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms | "
-        f"e2e {t.e2e_seconds * 1e3:.1f} ms | TPOT {t.mean_inter_token_seconds * 1e3:.1f} ms | "
-        f"decode {t.decode_tokens_per_second:.1f} tok/s"
+    # Every stage the contract carries (abandoned has no field: such a request gets no answer).
+    stages = [
+        f"{stage.name} {getattr(t, stage.seconds_field) * 1e3:.1f} ms"
+        for stage in STAGES
+        if stage.seconds_field in t.DESCRIPTOR.fields_by_name
+    ]
+    return " | ".join(
+        [
+            *stages,
+            f"TTFT {t.time_to_first_token_seconds * 1e3:.1f} ms",
+            f"e2e {t.e2e_seconds * 1e3:.1f} ms",
+            f"TPOT {t.mean_inter_token_seconds * 1e3:.1f} ms",
+            f"decode {t.decode_tokens_per_second:.1f} tok/s",
+        ]
     )
 
 

@@ -28,11 +28,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metri
 from phasescope.engine.base import Engine
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phasescope.environment import env_auth_tokens, env_cuda_devices
+from phasescope.serve.admission import Admission
 from phasescope.serve.auth import BearerTokenInterceptor, caller_identity, load_tokens, server_credentials
 from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
-from phasescope.serve.inference import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.lifecycle import RequestPath
 from phasescope.serve.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks
 from phasescope.serve.tracing_setup import build_tracing
 from phasescope.serve.watch import ServerFacts
@@ -134,15 +136,15 @@ class Server:
         admission = Admission(
             settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client
         )
-        servicer = InferenceServicer(
+        path = RequestPath(
             ObserverGroup(observers, on_error=telemetry_errors),
             admission,
             model_name,
             trace_id=tracing.trace_id if tracing is not None else lambda: None,
             capture_text=tracing is not None and settings.trace_include_text,
             identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
-            max_watchers=settings.max_watchers,
         )
+        servicer = InferenceServicer(path, max_watchers=settings.max_watchers)
 
         server = grpc.aio.server(
             interceptors=interceptors,

@@ -16,6 +16,7 @@ from phasescope.errors import InvalidRequestError
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures
 from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps
+from phasescope.telemetry.request.stages import DECODE, FRONTEND, PREFILL
 from phasescope.telemetry.step.prometheus import EngineView
 from phasescope.v1 import inference_pb2 as pb
 
@@ -74,11 +75,12 @@ def request_snapshot(trace: InFlight, now: float) -> pb.RequestSnapshot:
     stamps = trace.stamps
     first_token = stamps.first_token_ts if stamps is not None else 0.0
     if not trace.front.handed_to_engine:
-        phase = "frontend"
+        phase = FRONTEND.name
     elif first_token <= 0.0:
-        phase = "prefill"
+        # The engine stamps nothing before the first token: queued and prefilling look alike.
+        phase = PREFILL.name
     else:
-        phase = "decode"
+        phase = DECODE.name
     decoded = trace.completion_tokens - 1
     last_token = stamps.last_token_ts if stamps is not None else 0.0
     rate = decoded / (last_token - first_token) if decoded >= 1 and last_token > first_token else 0.0

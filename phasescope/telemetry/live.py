@@ -8,12 +8,13 @@ request costs one append per figure; nothing is computed unless someone watches.
 
 from __future__ import annotations
 
-import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 
@@ -21,13 +22,12 @@ from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 MAX_OBSERVATIONS = 20_000
 
 
-def quantile(values: list[float], q: float) -> float:
-    """Nearest-rank quantile of unsorted values; 0.0 when there are none."""
+def percentile(values: Sequence[float], p: float) -> float:
+    """The `p`th percentile (0-100) of unsorted values as vLLM's `bench serve` computes it (numpy's linear
+    interpolation between the closest ranks); 0.0 when there are none, as an idle window has."""
     if not values:
         return 0.0
-    ordered = sorted(values)
-    rank = max(1, math.ceil(q * len(ordered)))
-    return ordered[rank - 1]
+    return float(np.percentile(values, p))
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,11 +119,11 @@ class RecentLatencies:
             return sum(values) / len(values) if values else 0.0
 
         return LatencyFigures(
-            time_to_first_token_p50=quantile(ttft, 0.5),
-            time_to_first_token_p99=quantile(ttft, 0.99),
+            time_to_first_token_p50=percentile(ttft, 50),
+            time_to_first_token_p99=percentile(ttft, 99),
             time_to_first_token_samples=len(ttft),
-            inter_token_p50=quantile(itl, 0.5),
-            inter_token_p99=quantile(itl, 0.99),
+            inter_token_p50=percentile(itl, 50),
+            inter_token_p99=percentile(itl, 99),
             inter_token_samples=len(itl),
             queue_mean=mean(queue),
             prefill_mean=mean(prefill),

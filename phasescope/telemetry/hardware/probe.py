@@ -26,6 +26,7 @@ torch version, probe version), so it runs once per machine.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import logging
@@ -91,24 +92,38 @@ class ProbeResult:
         )
 
 
-def _cpuinfo() -> list[dict[str, str]]:
-    """One record per logical CPU from /proc/cpuinfo; empty where there is none."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
+def parse_cpuinfo(text: str) -> tuple[dict[str, str], ...]:
+    """One record per logical CPU of a /proc/cpuinfo text (blank-line separated `key : value` blocks)."""
     records = []
     for block in text.strip().split("\n\n"):
         fields = (line.partition(":") for line in block.splitlines())
         records.append({key.strip(): value.strip() for key, _, value in fields})
-    return records
+    return tuple(records)
+
+
+@functools.cache
+def _cpuinfo() -> tuple[dict[str, str], ...]:
+    """/proc/cpuinfo's records, read once: the CPUs' model and cores do not change while a process runs."""
+    try:
+        return parse_cpuinfo(Path("/proc/cpuinfo").read_text())
+    except OSError:  # not Linux
+        return ()
 
 
 def cpu_name() -> str:
+    """The CPU's model name (`model name` in /proc/cpuinfo); the platform's processor or architecture elsewhere."""
     for record in _cpuinfo():
         if "model name" in record:
             return record["model name"]
     return platform.processor() or platform.machine()
+
+
+def cpu_flags() -> frozenset[str]:
+    """The first CPU's feature flags (x86's `flags` line: avx2, avx512f, amx_tile, ...); empty where none."""
+    for record in _cpuinfo():
+        if "flags" in record:
+            return frozenset(record["flags"].split())
+    return frozenset()
 
 
 def physical_cores(cpus: set[int]) -> int:

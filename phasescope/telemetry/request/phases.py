@@ -16,8 +16,21 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from typing import get_args
 
 from phasescope.telemetry.errors import log_rate_limited
+from phasescope.telemetry.request.stages import (
+    ABANDONED,
+    DECODE,
+    FRONTEND,
+    INTAKE,
+    PREFILL,
+    QUEUE,
+    STAGES,
+    FrontendStamp,
+    Stage,
+    Stamp,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -90,8 +103,20 @@ class PhaseTimings:
     The engine stamps nothing before a request's first token, so this time in queue or
     prefill cannot be split between the two."""
 
+    def seconds(self, stage: Stage) -> float | None:
+        """The stage's duration (`stages.STAGES`); None when the request never reached or left it."""
+        value: float | None = getattr(self, stage.seconds_field)
+        return value
 
-NO_TIMINGS = PhaseTimings(None, None, None, None, None, None, None, None)
+
+_FRONTEND_STAMPS: frozenset[str] = frozenset(get_args(FrontendStamp))
+
+
+def stamp_value(stamp: Stamp, front: FrontendTimestamps, engine: EngineTimestamps | None) -> float:
+    """A stage boundary's reading on the one monotonic clock; 0.0 means never reached."""
+    if stamp in _FRONTEND_STAMPS:
+        return float(getattr(front, stamp))
+    return float(getattr(engine, stamp)) if engine is not None else 0.0
 
 
 def _interval(name: str, start: float, end: float) -> float | None:
@@ -110,34 +135,23 @@ def _interval(name: str, start: float, end: float) -> float | None:
 def derive_phase_timings(
     front: FrontendTimestamps, engine: EngineTimestamps | None, completion_tokens: int
 ) -> PhaseTimings:
-    """Split a request into frontend, intake, queue, prefill and decode (vLLM's definitions for the engine's phases)."""
-    queued = engine.queued_ts if engine is not None else 0.0
+    """Split a request into its stages (`stages.STAGES`: vLLM's definitions for the engine's phases)."""
     first_token = engine.first_token_ts if engine is not None else 0.0
-    last_token = engine.last_token_ts if engine is not None else 0.0
-    # Frontend = hand-off to the engine − handler entry: validation, chat templating,
-    # tokenisation and admission, the front end's own work.
-    frontend = _interval("frontend", front.entry, front.handed_to_engine)
-    # Intake = queued − hand-off: the engine client's input processing, the hop to the engine
-    # core, and the wait for the core to take the request in between two steps.
-    intake = _interval("intake", front.handed_to_engine, queued)
-    queue = prefill = decode = None
-    if engine is not None:
-        # Queue interval is from QUEUED to first SCHEDULED.
-        queue = _interval("queue", engine.queued_ts, engine.scheduled_ts)
-        # Prefill interval is from first SCHEDULED to first NEW_TOKEN
-        # (a preemption counts toward the phase in which it happens).
-        prefill = _interval("prefill", engine.scheduled_ts, first_token)
-        # Decode interval is from first NEW_TOKEN to last NEW_TOKEN.
-        decode = _interval("decode", first_token, last_token)
+    # Each stage is the interval between its two stamps (the table says what each holds).
+    seconds = {
+        stage.name: _interval(
+            stage.name, stamp_value(stage.start, front, engine), stamp_value(stage.end, front, engine)
+        )
+        for stage in STAGES
+        if not (stage.only_without_first_token and first_token > 0.0)
+    }
+    decode = seconds[DECODE.name]
     # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
     # the frontend and intake stages (vLLM's own start later, at its arrival stamp).
     ttft = _interval("time to first token", front.entry, first_token)
-    e2e = _interval("end-to-end", front.entry, last_token)
+    e2e = _interval("end-to-end", front.entry, engine.last_token_ts if engine is not None else 0.0)
     # Client TTFT = first chunk written − handler entry: what a streaming client waited.
     client_ttft = _interval("client time to first token", front.entry, front.first_chunk_written)
-    abandoned = None
-    if first_token <= 0.0 and front.ended > 0.0:
-        abandoned = _interval("abandoned", front.handed_to_engine, front.ended)
 
     # TPOT = decode / (output tokens - 1): the first token belongs to prefill.
     decoded_tokens = completion_tokens - 1
@@ -148,20 +162,20 @@ def derive_phase_timings(
         mean_inter_token = decode / decoded_tokens
         decode_tokens_per_second = decoded_tokens / decode if decode > 0 else None
     return PhaseTimings(
-        frontend_seconds=frontend,
-        queue_seconds=queue,
-        prefill_seconds=prefill,
+        frontend_seconds=seconds[FRONTEND.name],
+        queue_seconds=seconds[QUEUE.name],
+        prefill_seconds=seconds[PREFILL.name],
         decode_seconds=decode,
         time_to_first_token_seconds=ttft,
         e2e_seconds=e2e,
         mean_inter_token_seconds=mean_inter_token,
         decode_tokens_per_second=decode_tokens_per_second,
         client_time_to_first_token_seconds=client_ttft,
-        intake_seconds=intake,
+        intake_seconds=seconds[INTAKE.name],
         # Only a request that decoded (a token after its first) has decode steps to share.
         decode_stalled_by_prefill_seconds=engine.decode_stalled_seconds if decoded and engine else None,
         decode_prefill_interference_seconds=engine.decode_interference_seconds if decoded and engine else None,
-        abandoned_seconds=abandoned,
+        abandoned_seconds=seconds.get(ABANDONED.name),
     )
 
 

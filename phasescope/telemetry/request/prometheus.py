@@ -12,6 +12,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+from phasescope.telemetry.request.stages import STAGES
 
 # Request-level latency: a millisecond (the frontend stage, a queue hop) to two hours
 # (a long generation under load), like vLLM's request buckets.
@@ -20,6 +21,20 @@ REQUEST_SECONDS_BUCKETS = (
     7.5, 10.0, 15.0, 20.0, 30.0, 40.0, 60.0, 120.0, 240.0, 480.0, 960.0, 1920.0, 3840.0, 7680.0,
 )  # fmt: skip
 
+
+# Which stages each record observes (the table says when each is known).
+_AT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.at_first_token)
+_AT_END = tuple(stage for stage in STAGES if not stage.at_first_token and not stage.only_without_first_token)
+_WITHOUT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.without_first_token)
+_PHASE_HELP = (
+    "Time a request spent in each stage, on one monotonic clock: "
+    + "; ".join(
+        f"{stage.name} = {stage.end} - {stage.start}"
+        + (" (a request that ended before its first token)" if stage.only_without_first_token else "")
+        for stage in STAGES
+    )
+    + "."
+)
 
 # How an admitted request can end before its first token.
 _UNANSWERED_CODES = ("CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL")
@@ -32,10 +47,7 @@ class PrometheusRequestObserver:
         self._decode_tokens: dict[str, Counter] = {}
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
-            "Time a request spent in each stage, on one monotonic clock: frontend = hand-off to the engine - "
-            "handler entry, intake = queued - hand-off, queue = scheduled - queued, prefill = first token - "
-            "scheduled, decode = last token - first token; abandoned = end - hand-off, for a request that ended "
-            "before its first token.",
+            _PHASE_HELP,
             ["model", "phase"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
@@ -127,14 +139,10 @@ class PrometheusRequestObserver:
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
-        for phase, seconds in (
-            ("frontend", timings.frontend_seconds),
-            ("intake", timings.intake_seconds),
-            ("queue", timings.queue_seconds),
-            ("prefill", timings.prefill_seconds),
-        ):
+        for stage in _AT_FIRST_TOKEN:
+            seconds = timings.seconds(stage)
             if seconds is not None:
-                self.phase_seconds.labels(model, phase).observe(seconds, exemplar)
+                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
             self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
         if record.streaming and timings.client_time_to_first_token_seconds is not None:
@@ -155,16 +163,16 @@ class PrometheusRequestObserver:
         self.requests.labels(model, record.code, record.finish_reason).inc()
         timings = record.timings
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        if not record.produced_first_token:
+        answered = record.produced_first_token
+        if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
             self.without_first_token.labels(model, record.code).inc()
-            if timings.frontend_seconds is not None:
-                self.phase_seconds.labels(model, "frontend").observe(timings.frontend_seconds, exemplar)
-            if timings.abandoned_seconds is not None:
-                self.phase_seconds.labels(model, "abandoned").observe(timings.abandoned_seconds, exemplar)
+        for stage in _AT_END if answered else _WITHOUT_FIRST_TOKEN:
+            seconds = timings.seconds(stage)
+            if seconds is not None:
+                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
+        if not answered:
             return
-        if timings.decode_seconds is not None:
-            self.phase_seconds.labels(model, "decode").observe(timings.decode_seconds, exemplar)
         if timings.decode_stalled_by_prefill_seconds is not None:
             self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
         if timings.decode_prefill_interference_seconds is not None:

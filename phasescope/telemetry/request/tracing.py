@@ -2,11 +2,11 @@
 
 The gRPC server span comes from opentelemetry-instrumentation-grpc's aio
 interceptor (its parent is the caller's W3C `traceparent`). Under it,
-`TracingObserver` adds a request span whose children tile it: `frontend`
-(handler entry to hand-off), `intake` (hand-off to the engine's queue), then `queue`, `prefill` and `decode` at
-the engine's own timestamps, or `abandoned` for a request that ended before
-its first token. Each request's monotonic readings are placed on the wall
-clock by the offset read at its own entry (phasescope.telemetry.request.phases).
+`TracingObserver` adds a request span whose children tile it, one per stage of
+`stages.STAGES` (frontend, intake, then queue, prefill and decode at the engine's own
+timestamps, or abandoned for a request that ended before its first token). Each
+request's monotonic readings are placed on the wall clock by the offset read at its
+own entry (phasescope.telemetry.request.phases).
 Attributes follow the GenAI semantic conventions where they exist
 (`gen_ai.*`) and `phasescope.*` otherwise. No prompt or output text is
 recorded unless text capture is turned on.
@@ -17,6 +17,7 @@ request path waits for the exporter. With tracing off none of this is built.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from opentelemetry import trace
@@ -26,7 +27,8 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode
 
-from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings, stamp_value
+from phasescope.telemetry.request.stages import DECODE, STAGES
 
 INSTRUMENTATION_NAME = "phasescope"
 
@@ -67,6 +69,23 @@ def _nanoseconds(wall_seconds: float) -> int:
     return round(wall_seconds * 1e9)
 
 
+def _decode_attributes(timings: PhaseTimings) -> dict[str, float | None]:
+    return {
+        "phasescope.decode_tokens_per_second": timings.decode_tokens_per_second,
+        "phasescope.mean_inter_token_seconds": timings.mean_inter_token_seconds,
+        "phasescope.decode_stalled_by_prefill_seconds": timings.decode_stalled_by_prefill_seconds,
+        "phasescope.decode_prefill_interference_seconds": timings.decode_prefill_interference_seconds,
+    }
+
+
+def _no_attributes(timings: PhaseTimings) -> dict[str, float | None]:
+    return {}
+
+
+# What a stage's span carries beside its own seconds.
+_EXTRA_ATTRIBUTES: dict[str, Callable[[PhaseTimings], dict[str, float | None]]] = {DECODE.name: _decode_attributes}
+
+
 class TracingObserver:
     """Turns each finished request's record into a request span with its phase children."""
 
@@ -95,9 +114,6 @@ class TracingObserver:
             return front.wall(monotonic) if monotonic > 0 else None
 
         entry = front.wall_at_entry
-        handed = wall(front.handed_to_engine)
-        queued = wall(stamps.queued_ts) if stamps else None
-        scheduled = wall(stamps.scheduled_ts) if stamps else None
         first_token = wall(stamps.first_token_ts) if stamps else None
         last_token = wall(stamps.last_token_ts) if stamps else None
         ended = wall(front.ended) or entry
@@ -143,44 +159,25 @@ class TracingObserver:
         span.set_attributes(attributes)
 
         context = trace.set_span_in_context(span)
-        phases: tuple[tuple[str, float | None, float | None, dict[str, float | None]], ...] = (
-            ("frontend", entry, handed, {"phasescope.frontend_seconds": timings.frontend_seconds}),
-            (
-                "intake",
-                handed if queued is not None else None,
-                queued,
-                {"phasescope.intake_seconds": timings.intake_seconds},
-            ),
-            ("queue", queued, scheduled, {"phasescope.queue_seconds": timings.queue_seconds}),
-            ("prefill", scheduled, first_token, {"phasescope.prefill_seconds": timings.prefill_seconds}),
-            (
-                "decode",
-                first_token,
-                last_token,
-                {
-                    "phasescope.decode_seconds": timings.decode_seconds,
-                    "phasescope.decode_tokens_per_second": timings.decode_tokens_per_second,
-                    "phasescope.mean_inter_token_seconds": timings.mean_inter_token_seconds,
-                    "phasescope.decode_stalled_by_prefill_seconds": timings.decode_stalled_by_prefill_seconds,
-                    "phasescope.decode_prefill_interference_seconds": timings.decode_prefill_interference_seconds,
-                },
-            ),
-            # The engine stamps nothing before a request's first token: time in its queue
-            # or prefill is one span when the request ended first.
-            (
-                "abandoned",
-                handed if first_token is None else None,
-                ended,
-                {"phasescope.abandoned_seconds": timings.abandoned_seconds},
-            ),
-        )
-        for name, phase_start, phase_end, phase_attributes in phases:
+        starts = [wall(stamp_value(stage.start, front, stamps)) for stage in STAGES]
+        for index, stage in enumerate(STAGES):
+            seconds = timings.seconds(stage)
+            phase_start = starts[index]
             if phase_start is None:
+                continue  # never reached
+            if seconds is None and (stage.only_without_first_token or any(starts[index + 1 :])):
+                # Not this request's (abandoned, once a first token came), or never left while a
+                # later stage began (abandoned stands for intake, queue and prefill when the
+                # engine stamped nothing).
                 continue
-            # A phase the request never left (cancelled while queued, say) closes when the request ended.
-            closed_at = phase_end if phase_end is not None else end
-            child = self._tracer.start_span(name, context=context, start_time=_nanoseconds(phase_start))
-            child.set_attributes({key: value for key, value in phase_attributes.items() if value is not None})
+            # A stage the request never left closes when the request ended.
+            closed_at = (wall(stamp_value(stage.end, front, stamps)) if seconds is not None else None) or end
+            child = self._tracer.start_span(stage.name, context=context, start_time=_nanoseconds(phase_start))
+            stage_attributes = {
+                f"phasescope.{stage.seconds_field}": seconds,
+                **_EXTRA_ATTRIBUTES.get(stage.name, _no_attributes)(timings),
+            }
+            child.set_attributes({key: value for key, value in stage_attributes.items() if value is not None})
             child.end(end_time=_nanoseconds(max(closed_at, phase_start)))
         if first_token is not None:
             span.add_event("first_token", timestamp=_nanoseconds(first_token))

@@ -19,8 +19,10 @@ from prometheus_client import CollectorRegistry
 
 from phasescope.client.client import AsyncClient, build_request
 from phasescope.errors import EngineUnavailableError
-from phasescope.serve.inference import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from phasescope.serve.admission import Admission
+from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.lifecycle import RequestPath
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.v1 import inference_pb2 as pb
@@ -48,10 +50,12 @@ async def serve(
 ) -> AsyncIterator[Served]:
     registry = CollectorRegistry()
     servicer = InferenceServicer(
-        PrometheusRequestObserver(registry, MODEL),
-        Admission(max_running, max_queued, per_client),
-        MODEL,
-        identify=lambda context: "one caller",
+        RequestPath(
+            PrometheusRequestObserver(registry, MODEL),
+            Admission(max_running, max_queued, per_client),
+            MODEL,
+            identify=lambda context: "one caller",
+        )
     )
     servicer.attach_engine(engine, PEAKS)
     server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))])

@@ -13,9 +13,11 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.client.client import AsyncClient, build_request
+from phasescope.serve.admission import Admission
 from phasescope.serve.app import LiveTelemetry
-from phasescope.serve.inference import SERVICE_NAME, Admission, InferenceServicer, inference_handler
+from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.lifecycle import RequestPath
 from phasescope.serve.watch import ServerFacts
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import RecentLatencies
@@ -42,9 +44,7 @@ async def serve(engine: ScriptedEngine, max_watchers: int = 4) -> AsyncIterator[
     registry = CollectorRegistry()
     recent = RecentLatencies()
     servicer = InferenceServicer(
-        ObserverGroup([PrometheusRequestObserver(registry, MODEL), recent]),
-        Admission(4, 4),
-        MODEL,
+        RequestPath(ObserverGroup([PrometheusRequestObserver(registry, MODEL), recent]), Admission(4, 4), MODEL),
         max_watchers=max_watchers,
     )
     description = engine.description

@@ -1,0 +1,191 @@
+"""The request lifecycle: each transition once, each record once, whatever way the request ends."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import pytest
+
+from phasescope.engine.base import EngineStep
+from phasescope.errors import InvalidRequestError, OverloadedError
+from phasescope.serve.admission import Admission
+from phasescope.serve.lifecycle import RequestLifecycle, RequestPath
+from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
+
+
+class Recorder:
+    """A RequestObserver that keeps every call."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+        self.first_tokens: list[FirstTokenRecord] = []
+        self.records: list[PhaseRecord] = []
+        self.rejected: list[str] = []
+        self.tokens = 0
+
+    def request_started(self, model: str) -> None:
+        self.calls.append("started")
+
+    def request_first_token(self, record: FirstTokenRecord) -> None:
+        self.calls.append("first_token")
+        self.first_tokens.append(record)
+
+    def tokens_generated(self, model: str, count: int) -> None:
+        self.tokens += count
+
+    def request_finished(self, record: PhaseRecord) -> None:
+        self.calls.append("finished")
+        self.records.append(record)
+
+    def request_rejected(self, model: str, reason: str) -> None:
+        self.rejected.append(reason)
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    def test() -> None:
+        asyncio.run(scenario())
+
+    test.__name__ = scenario.__name__
+    return test
+
+
+def step(tokens: int, *, finished: bool = False, first_token: bool = True) -> EngineStep:
+    # Stamped after the hand-off, as the engine would.
+    now = time.monotonic()
+    stamps = EngineTimestamps(
+        queued_ts=now, scheduled_ts=now + 0.001, first_token_ts=now + 0.002 if first_token else 0.0,
+        last_token_ts=now + 0.003,
+    )  # fmt: skip
+    return EngineStep(
+        text="x",
+        token_ids=(1,),
+        finished=finished,
+        finish_reason="length" if finished else None,
+        completion_tokens=tokens,
+        cached_prompt_tokens=2,
+        stamps=stamps,
+    )
+
+
+def path(recorder: Recorder, capacity: int = 4) -> RequestPath:
+    return RequestPath(recorder, Admission(capacity, 0), "tiny")
+
+
+def hand(request: RequestLifecycle) -> None:
+    request.handed_to_engine(5, "id-1", RequestParameters(max_tokens=3), "")
+
+
+@run
+async def test_a_refusal_before_the_hand_off_is_counted_once_and_is_no_request() -> None:
+    recorder = Recorder()
+    requests = path(recorder)
+    with pytest.raises(InvalidRequestError):
+        async with requests.begin(True, lambda: False):
+            raise InvalidRequestError("sampling.top_p", "must be in (0, 1], got 1.5")
+    assert recorder.rejected == ["invalid_argument"]
+    assert recorder.calls == []
+
+
+@run
+async def test_a_full_server_refuses_at_the_permit_and_counts_it_overloaded() -> None:
+    recorder = Recorder()
+    requests = path(recorder, capacity=1)
+    async with requests.begin(True, lambda: False) as first, first.admitted(""):
+        with pytest.raises(OverloadedError):
+            async with requests.begin(True, lambda: False) as second, second.admitted(""):
+                pass
+        assert requests.in_flight == {first}
+    assert recorder.rejected == ["overloaded"]
+    assert requests.in_flight == set()
+    assert requests.admission.in_flight == 0
+
+
+@run
+async def test_each_record_is_emitted_once_in_order() -> None:
+    recorder = Recorder()
+    requests = path(recorder)
+    async with requests.begin(True, lambda: False) as request, request.admitted(""):
+        hand(request)
+        for tokens in (1, 2):
+            request.took(step(tokens))
+            request.chunk_written()
+        request.took(step(3, finished=True))
+        request.final_timings()
+        request.chunk_written()
+    assert recorder.calls == ["started", "first_token", "finished"]
+    assert recorder.tokens == 3
+    (record,) = recorder.records
+    assert (record.code, record.finish_reason, record.completion_tokens, record.prompt_tokens) == ("OK", "length", 3, 5)
+    # The first token's record went out when its chunk was written: the client's wait is known.
+    assert recorder.first_tokens[0].timings.client_time_to_first_token_seconds is not None
+    assert recorder.first_tokens[0].prefill_tokens_computed == 3
+
+
+@run
+async def test_a_first_token_whose_chunk_never_reached_the_client_is_still_reported_once() -> None:
+    recorder = Recorder()
+    requests = path(recorder)
+
+    async def cancelled_while_writing_its_first_chunk() -> None:
+        async with requests.begin(True, lambda: False) as request, request.admitted(""):
+            hand(request)
+            request.took(step(1))
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled_while_writing_its_first_chunk()
+    assert recorder.calls == ["started", "first_token", "finished"]
+    assert recorder.first_tokens[0].timings.client_time_to_first_token_seconds is None
+    assert (recorder.records[0].code, recorder.records[0].finish_reason) == ("CANCELLED", "abort")
+    assert requests.admission.in_flight == 0
+
+
+@run
+async def test_a_cancellation_at_the_deadline_is_recorded_as_the_deadline() -> None:
+    recorder = Recorder()
+    requests = path(recorder)
+
+    async def cancelled_at_its_deadline() -> None:
+        async with requests.begin(True, lambda: True) as request, request.admitted(""):
+            hand(request)
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled_at_its_deadline()
+    assert recorder.records[0].code == "DEADLINE_EXCEEDED"
+    assert not recorder.records[0].produced_first_token
+
+
+@run
+async def test_a_unary_answer_reaches_its_client_with_the_last_chunk_not_the_first() -> None:
+    recorder = Recorder()
+    requests = path(recorder)
+    async with requests.begin(False, lambda: False) as request, request.admitted(""):
+        hand(request)
+        request.took(step(1))
+        request.chunk_written()
+        first_written = request.front.first_chunk_written
+        await asyncio.sleep(0.01)
+        request.took(step(2, finished=True))
+        handed_over = request.final_timings().client_time_to_first_token_seconds
+        request.chunk_written()
+    assert first_written == 0.0
+    assert handed_over is not None
+    assert recorder.records[0].timings.client_time_to_first_token_seconds == pytest.approx(handed_over)
+
+
+@run
+async def test_text_is_kept_only_when_capture_is_on() -> None:
+    for capture in (False, True):
+        recorder = Recorder()
+        requests = RequestPath(recorder, Admission(1, 0), "tiny", capture_text=capture)
+        async with requests.begin(True, lambda: False) as request, request.admitted(""):
+            request.handed_to_engine(5, "id", RequestParameters(), "the prompt" if capture else "")
+            request.took(step(1, finished=True))
+        text = recorder.records[0].text
+        assert (text is not None) is capture
+        if text is not None:
+            assert (text.prompt, text.output) == ("the prompt", "x")
