@@ -41,7 +41,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from phasescope.bench.harness import stop_on_sigterm
+from phasescope.telemetry.hardware.probe import cpu_flags, cpu_name
 
 PROMPTS = (
     "What is the capital of France?",
@@ -84,11 +87,7 @@ def _linked_runtime_libs(pids: list[int]) -> dict[str, list[str]]:
 
 
 def _child_pids() -> list[int]:
-    pids: list[int] = []
-    with contextlib.suppress(OSError):
-        for task in Path(f"/proc/{os.getpid()}/task").iterdir():
-            pids.extend(int(p) for p in (task / "children").read_text().split())
-    return pids
+    return [child.pid for child in psutil.Process().children()]
 
 
 def _decode_rate(llm: Any, batch: int, new_tokens: int) -> dict[str, float]:
@@ -333,17 +332,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _cpu_flags() -> dict[str, Any]:
-    model, flags = "", set[str]()
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            if line.startswith("flags") and not flags:
-                flags = set(line.split(":", 1)[1].split())
     return {
-        "model": model,
+        "model": cpu_name(),
         "cpus": os.cpu_count(),
-        "isa": sorted(f for f in flags if f.startswith(("avx", "amx"))),
+        "isa": sorted(f for f in cpu_flags() if f.startswith(("avx", "amx"))),
     }
 
 

@@ -23,9 +23,6 @@ from phasescope.bench.workload import (
     read_dataset,
 )
 
-LOADS = ("concurrency", "rate", "burst")
-APIS = ("prompt", "chat")
-
 
 class ConfigError(ValueError):
     """Flags that do not make a run; the message is one line for the operator."""
@@ -46,6 +43,20 @@ class BenchConfig:
     workload: WorkloadSpec
     api: str
     """`prompt` (a completion) or `chat` (the prompt as one user message, through the chat template)."""
+    model: str
+    """The model folder every target started here serves; empty: the embedded default."""
+    tiny_model: bool
+    """Serve the 2-layer random-weight Llama (phasescope.bench.tiny_model) instead of `model`."""
+    dtype: str
+    """The engine's dtype, on every target started here."""
+    max_model_len: int
+    """Each engine's context limit, tokens."""
+    kv_cache_gib: float
+    """Each engine's KV cache, GiB."""
+    max_num_seqs: int
+    """Each engine's batch limit (phasescope's --max-concurrent-requests)."""
+    stream_interval: int
+    """Tokens per streamed chunk on every target started here (vLLM's stream_interval)."""
     token_ids_only: bool = False
     """phasescope's requests ask for token ids without text (the other targets always detokenise)."""
     slo: dict[str, float] = field(default_factory=dict)
@@ -155,19 +166,18 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
     else:
         points = [("concurrency", c) for c in _values(args.concurrency, "--concurrency", int)]
         points += [("rate", r) for r in _values(args.rates, "--rates", float)]
-        points += [("burst", b) for b in _values(getattr(args, "bursts", ""), "--bursts", int)]
+        points += [("burst", b) for b in _values(args.bursts, "--bursts", int)]
         if not points:
             raise ConfigError("give at least one --concurrency, --rates or --bursts point, or --sla-search")
     if args.metrics_url and not args.address:
         raise ConfigError("--metrics-url goes with --address (a server started here is read on its own)")
-    scrape_interval = getattr(args, "scrape_interval", 2.0)
-    if not scrape_interval >= 0:
-        raise ConfigError(f"--scrape-interval must be ≥ 0 seconds, got {scrape_interval}")
-    if getattr(args, "stream_interval", 1) < 1:
+    if not args.scrape_interval >= 0:
+        raise ConfigError(f"--scrape-interval must be ≥ 0 seconds, got {args.scrape_interval}")
+    if args.stream_interval < 1:
         raise ConfigError(f"--stream-interval must be ≥ 1, got {args.stream_interval}")
-    if getattr(args, "tiny_model", False) and args.model:
+    if args.tiny_model and args.model:
         raise ConfigError("--tiny-model and --model name two models: give one")
-    if getattr(args, "tiny_model", False) and args.address:
+    if args.tiny_model and args.address:
         raise ConfigError("--tiny-model starts the servers it measures; --address serves its own model")
     argv = sys.argv[1:] if argv is None else argv
     return BenchConfig(
@@ -178,7 +188,14 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         seed=args.seed,
         workload=WorkloadSpec(prompt_tokens, output_tokens, args.shared_prefix_tokens, dataset, args.seed),
         api=args.api,
-        token_ids_only=getattr(args, "token_ids_only", False),
+        model=args.model,
+        tiny_model=args.tiny_model,
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_gib=args.kv_cache_gib,
+        max_num_seqs=args.max_num_seqs,
+        stream_interval=args.stream_interval,
+        token_ids_only=args.token_ids_only,
         slo=slo,
         sla_search=args.sla_search,
         goodput_target=args.goodput_target,
@@ -188,8 +205,8 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         search_tolerance=args.search_tolerance,
         saturation_stop=args.saturation_stop,
         token_times=args.token_times,
-        scrape_interval=scrape_interval,
-        pin_cpus=getattr(args, "pin_cpus", False),
+        scrape_interval=args.scrape_interval,
+        pin_cpus=args.pin_cpus,
         compare=args.compare,
         address=args.address,
         metrics_url=args.metrics_url,

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import argparse
 import ctypes.util
 import os
 import sys
@@ -10,6 +9,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
+from phasescope.bench.config import BenchConfig
 from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, free_port
 from phasescope.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget
 
@@ -94,9 +94,11 @@ def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcess
     return InProcessTarget(AsyncLLM.from_engine_args(args), api)
 
 
-def default_settings(args: argparse.Namespace) -> EngineSettings:
-    model = args.model
-    if getattr(args, "tiny_model", False):
+def default_settings(config: BenchConfig) -> EngineSettings:
+    """The engine settings of the run's flags, the model resolved to a folder (the tiny model or the embedded
+    default, prepared in the cache first if needed, when the flags name none)."""
+    model = config.model
+    if config.tiny_model:
         from phasescope.bench.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 
         model, name = str(ensure_tiny_model()), TINY_MODEL_NAME
@@ -106,5 +108,5 @@ def default_settings(args: argparse.Namespace) -> EngineSettings:
         model, name = str(ensure_default_model()), DEFAULT_MODEL_NAME
     else:
         name = Path(model.rstrip("/")).name
-    return EngineSettings(model, name, args.dtype, args.max_model_len, args.kv_cache_gib, args.max_num_seqs,
-                          getattr(args, "stream_interval", 1))  # fmt: skip
+    return EngineSettings(model, name, config.dtype, config.max_model_len, config.kv_cache_gib, config.max_num_seqs,
+                          config.stream_interval)  # fmt: skip

@@ -1,4 +1,4 @@
-"""The bench's charts, PNG files beside bench.json; medians with min–max bars when a point has repeats.
+"""The bench's charts, PNG files beside bench.json.gz; medians with min–max bars when a point has repeats.
 
 throughput.png (output tokens/s vs load), latency.png (TTFT and TPOT vs load, with the
 objectives), pareto.png (tokens/s per user vs tokens/s in total, coloured by bandwidth

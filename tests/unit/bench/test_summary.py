@@ -26,6 +26,18 @@ def test_summary_follows_the_bench_serve_definitions() -> None:
     assert summary["max_e2el_ms"] == pytest.approx(500.0)
 
 
+def test_percentiles_interpolate_between_ranks_as_numpy_and_bench_serve_do() -> None:
+    # TTFTs 100, 200, 300 and 400 ms. np.percentile's linear interpolation: p90 sits 0.9 × 3 = 2.7 ranks
+    # in, 70 % of the way from 300 to 400 ms. Nearest rank (and the rounded index used before) says 400.
+    records = [record(i, float(i), [i + 0.1 * (i + 1)]) for i in range(4)]
+    summary = summarize(records, duration=4.0)
+    assert summary["median_ttft_ms"] == pytest.approx(250.0)
+    assert summary["p90_ttft_ms"] == pytest.approx(370.0)
+    assert summary["p95_ttft_ms"] == pytest.approx(385.0)
+    assert summary["p99_ttft_ms"] == pytest.approx(397.0)
+    assert summary["max_ttft_ms"] == pytest.approx(400.0)
+
+
 def test_a_point_without_completions_reports_zero_latencies() -> None:
     summary = summarize([record(0, 0.0, [], error="UNAVAILABLE")], duration=1.0)
     assert summary["completed"] == 0

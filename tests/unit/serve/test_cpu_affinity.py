@@ -3,8 +3,8 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
+import psutil
 import pytest
 
 from phasescope.serve.cpu_affinity import descendants, keep_off_worker_cpus, plan
@@ -44,18 +44,30 @@ def test_nothing_moves_when_no_cpu_would_be_left_to_the_workers_alone(children: 
     assert plan(ALL, 100, children) is None
 
 
-def test_descendants_are_found_through_grandchildren_whatever_their_names(tmp_path: Path) -> None:
-    def process(pid: int, name: str, parent: int) -> None:
-        (tmp_path / str(pid)).mkdir()
-        (tmp_path / str(pid) / "stat").write_text(f"{pid} ({name}) S {parent} {pid} 0 0\n")
+def test_descendants_are_found_through_grandchildren() -> None:
+    # A child that starts a grandchild and prints its pid: the tree two levels deep, as the engine core's worker is.
+    spawner = (
+        "import subprocess, sys, time\n"
+        "grandchild = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        "print(grandchild.pid, flush=True)\n"
+        "time.sleep(60)\n"
+    )
+    with subprocess.Popen([sys.executable, "-c", spawner], stdout=subprocess.PIPE, text=True) as child:
+        assert child.stdout is not None
+        try:
+            grandchild = int(child.stdout.readline())
+            assert {child.pid, grandchild} <= set(descendants(os.getpid()))
+            assert descendants(child.pid) == [grandchild]
+        finally:
+            for process in psutil.Process(child.pid).children():
+                process.kill()
+            child.kill()
 
-    process(10, "phasescope", 1)
-    process(11, "VLLM::EngineCore", 10)
-    process(12, "VLLM::Worker", 11)
-    process(13, "odd) name (x", 11)
-    process(20, "unrelated", 1)
-    (tmp_path / "self").mkdir()  # not a pid
-    assert sorted(descendants(10, tmp_path)) == [11, 12, 13]
+
+def test_a_process_that_is_gone_has_no_descendants() -> None:
+    exited = subprocess.Popen([sys.executable, "-c", "pass"])
+    exited.wait()  # reaped: its pid names no process now
+    assert descendants(exited.pid) == []
 
 
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two CPUs to leave one to a worker")
@@ -73,8 +85,8 @@ def test_real_processes_are_moved_and_a_bound_one_is_left_alone() -> None:
         assert os.sched_getaffinity(engine_core.pid) == own - {worker_cpu}
         assert os.sched_getaffinity(worker.pid) == {worker_cpu}
     finally:
-        for tid in os.listdir("/proc/self/task"):
-            os.sched_setaffinity(int(tid), own)
+        for thread in psutil.Process().threads():
+            os.sched_setaffinity(thread.id, own)
         for child in (engine_core, worker):
             child.kill()
             child.wait()

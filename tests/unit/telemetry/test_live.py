@@ -1,0 +1,40 @@
+"""The live view's sliding window and its percentiles (numpy's, as vLLM's `bench serve` reports them)."""
+
+import pytest
+
+from phasescope.telemetry.live import RecentLatencies, percentile
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_percentiles_interpolate_between_ranks() -> None:
+    # Nearest rank would give 0.2 for p50 and 0.4 for p99: numpy interpolates linearly between the two closest.
+    gaps = [0.4, 0.1, 0.3, 0.2]
+    assert percentile(gaps, 50) == pytest.approx(0.25)
+    assert percentile(gaps, 99) == pytest.approx(0.397)
+    assert percentile(gaps, 0) == pytest.approx(0.1)
+    assert percentile(gaps, 100) == pytest.approx(0.4)
+
+
+def test_an_empty_window_reports_zero() -> None:
+    assert percentile([], 99) == 0.0
+    figures = RecentLatencies(Clock()).figures(window_seconds=10.0)
+    assert (figures.inter_token_p99, figures.inter_token_samples, figures.decode_mean) == (0.0, 0, 0.0)
+
+
+def test_the_window_keeps_only_its_last_seconds() -> None:
+    clock = Clock()
+    recent = RecentLatencies(clock)
+    recent.inter_token([5.0])
+    clock.now += 20.0
+    recent.inter_token([0.4, 0.1, 0.3, 0.2])
+    figures = recent.figures(window_seconds=10.0)
+    assert figures.inter_token_samples == 4
+    assert figures.inter_token_p50 == pytest.approx(0.25)
+    assert figures.inter_token_p99 == pytest.approx(0.397)
