@@ -65,6 +65,8 @@ class EngineStep:
     cached_prompt_tokens: int
     stamps: EngineTimestamps | None
     """The engine's timestamps as of this step; None when the engine keeps no stats."""
+    engine_index: int = 0
+    """The engine core serving the request (data parallelism), whose steps its decode shares."""
 
 
 class Engine(Protocol):

@@ -43,8 +43,9 @@ from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_cou
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
-from phasescope.telemetry.step.prometheus import EngineView, StepMetrics
-from phasescope.telemetry.step.steps import EngineIteration, StepForwarder
+from phasescope.telemetry.step.aggregator import EngineView, StepAggregator
+from phasescope.telemetry.step.prometheus import StepMetrics
+from phasescope.telemetry.step.records import StepForwarder
 from phasescope.telemetry.step.verdict import HeadroomLimits
 
 logger = logging.getLogger(__name__)
@@ -193,12 +194,10 @@ class Server:
                 await asyncio.to_thread(_pin_front_end)
             # On a CPU the engine cores share the machine's cores and memory.
             engine_peaks = per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu)
-            tracker = StepMetrics(
-                model_name,
+            aggregated = StepAggregator(
                 description.cost,
                 description.dtype,
                 engine_peaks,
-                self.registry,
                 engines=description.data_parallel_size,
                 window_seconds=settings.metrics_window_seconds,
                 headroom_limits=HeadroomLimits(
@@ -208,11 +207,13 @@ class Server:
                     queue=settings.headroom_queue,
                 ),
                 cost_per_hour=engine_cost_per_hour(settings, description),
-                interference=steps.interference,
+                sinks=(recent,),
             )
-            steps.sink = tracker.record
-            steps.iteration_sink = functools.partial(_record_iteration, tracker, recent)
-            steps.queue_sink = tracker.record_queue
+            StepMetrics(model_name, aggregated, self.registry)
+            steps.sink = aggregated.record
+            steps.iteration_sink = aggregated.record_iteration
+            steps.queue_sink = aggregated.record_queue
+            path.interference = aggregated.read_interference
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(
                     start_gpu_counters, self.registry, model_name, environ=env_cuda_devices()
@@ -221,16 +222,16 @@ class Server:
                 "judging utilisation against %s peaks of %s: %.3g GB/s, %.3g TFLOP/s %s (ridge %.1f FLOP/byte)",
                 peaks.source,
                 peaks.description or peaks.device,
-                tracker.peak_memory_bandwidth_bytes_per_second / 1e9,
-                tracker.peak_flops / 1e12,
+                aggregated.peak_memory_bandwidth_bytes_per_second / 1e9,
+                aggregated.peak_flops / 1e12,
                 description.dtype,
-                tracker.peak_flops / tracker.peak_memory_bandwidth_bytes_per_second,
+                aggregated.peak_flops / aggregated.peak_memory_bandwidth_bytes_per_second,
             )
             await engine.warm_up()
             servicer.attach_engine(engine, engine_peaks)
             servicer.attach_telemetry(
                 ServerFacts(model_name, description.device, description.dtype, engine_peaks, self._started),
-                LiveTelemetry(tracker, recent),
+                LiveTelemetry(aggregated, recent),
             )
             frozen = freeze_startup_heap()
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
@@ -358,21 +359,15 @@ def _cpu_list(cpus: frozenset[int]) -> str:
     return ",".join(map(str, sorted(cpus)))
 
 
-def _record_iteration(tracker: StepMetrics, recent: RecentLatencies, iteration: EngineIteration) -> None:
-    """An output batch's inter-token gaps: for Prometheus and for live views."""
-    tracker.record_iteration(iteration)
-    recent.inter_token(iteration.inter_token_seconds)
-
-
 class LiveTelemetry:
     """What WatchTelemetry snapshots read (phasescope.serve.watch.TelemetrySource)."""
 
-    def __init__(self, tracker: StepMetrics, recent: RecentLatencies) -> None:
-        self._tracker = tracker
+    def __init__(self, steps: StepAggregator, recent: RecentLatencies) -> None:
+        self._steps = steps
         self._recent = recent
 
     def views(self) -> tuple[float, list[EngineView]]:
-        return self._tracker.views()
+        return self._steps.views()
 
     def latencies(self, window_seconds: float) -> LatencyFigures:
         return self._recent.figures(window_seconds)

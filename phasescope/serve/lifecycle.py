@@ -47,6 +47,7 @@ from phasescope.telemetry.request.phases import (
     RequestText,
     derive_phase_timings,
 )
+from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 
 ServicerContext = grpc.aio.ServicerContext[Any, Any]
 # The client ended the request: it went away, or its deadline passed.
@@ -77,6 +78,8 @@ class RequestPath:
         self.capture_text = capture_text
         self._identify = identify
         self.engine: Engine | None = None
+        self.interference: Callable[[int], Interference] = lambda engine: NO_INTERFERENCE
+        """An engine's running interference totals (the step aggregator's, once it exists)."""
         self.draining = False
         self.in_flight: set[RequestLifecycle] = set()
         """Admitted requests, from their permit to their end."""
@@ -131,6 +134,11 @@ class RequestLifecycle:
         self.cached_prompt_tokens = 0
         self.finish_reason: str | None = None
         self.stamps: EngineTimestamps | None = None
+        self.interference = NO_INTERFERENCE
+        """What other requests' prefill chunks have cost this request's decode so far."""
+        # The engine's running totals at the first token, and at the latest step.
+        self._decode_start: Interference | None = None
+        self._totals = NO_INTERFERENCE
         self._parameters = RequestParameters()
         self._prompt_text = ""
         self._outputs: list[str] = []
@@ -185,10 +193,23 @@ class RequestLifecycle:
             self.finish_reason = step.finish_reason
         if step.stamps is not None:
             self.stamps = step.stamps
+            if step.stamps.first_token_ts > 0.0:
+                self._read_interference(step.engine_index)
         if self.completion_tokens > before:
             self._path.observer.tokens_generated(self._path.model_name, self.completion_tokens - before)
         if self._path.capture_text:
             self._outputs.append(step.text)
+
+    def _read_interference(self, engine: int) -> None:
+        # The engine's totals advance in the output pass that delivered this step's tokens (its stat
+        # logger runs before this request's consumer resumes): read at the first token and since,
+        # their difference is what this request's decode shared (phasescope.telemetry.step.interference).
+        totals = self._path.interference(engine)
+        if self._decode_start is None:
+            self._decode_start = totals
+        elif totals is not self._totals:  # replaced only by a mixed step
+            self.interference = totals - self._decode_start
+        self._totals = totals
 
     def final_timings(self) -> PhaseTimings:
         """The timings the last chunk carries. If no chunk was written before it, it is the client's
@@ -197,7 +218,7 @@ class RequestLifecycle:
         if not front.first_chunk_written:
             self._handover = time.monotonic()
             front = replace(front, first_chunk_written=self._handover)
-        return derive_phase_timings(front, self.stamps, self.completion_tokens)
+        return derive_phase_timings(front, self.stamps, self.completion_tokens, self.interference)
 
     def chunk_written(self) -> None:
         """The chunk just produced reached the client (grpc.aio resumes a response generator once it
@@ -207,7 +228,7 @@ class RequestLifecycle:
         self._report_first_token()
 
     def timings(self) -> PhaseTimings:
-        return derive_phase_timings(self.front, self.stamps, self.completion_tokens)
+        return derive_phase_timings(self.front, self.stamps, self.completion_tokens, self.interference)
 
     def _report_first_token(self) -> None:
         if self._first_token_reported or self.stamps is None or self.stamps.first_token_ts <= 0.0:

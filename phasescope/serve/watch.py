@@ -17,7 +17,8 @@ from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures
 from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps
 from phasescope.telemetry.request.stages import DECODE, FRONTEND, PREFILL
-from phasescope.telemetry.step.prometheus import EngineView
+from phasescope.telemetry.step.aggregator import EngineView
+from phasescope.telemetry.step.interference import Interference
 from phasescope.v1 import inference_pb2 as pb
 
 MIN_INTERVAL_SECONDS = 0.25
@@ -50,13 +51,14 @@ def watch_options(request: pb.WatchTelemetryRequest) -> WatchOptions:
 
 
 class InFlight(Protocol):
-    """What the servicer knows of a request while it runs (its `_RequestTrace`)."""
+    """What the request path knows of a request while it runs (its `RequestLifecycle`)."""
 
     request_id: str
     prompt_tokens: int
     completion_tokens: int
     front: FrontendTimestamps
     stamps: EngineTimestamps | None
+    interference: Interference
 
 
 class TelemetrySource(Protocol):
@@ -91,8 +93,8 @@ def request_snapshot(trace: InFlight, now: float) -> pb.RequestSnapshot:
         prompt_tokens=trace.prompt_tokens,
         completion_tokens=trace.completion_tokens,
         tokens_per_second=rate,
-        decode_stalled_by_prefill_seconds=stamps.decode_stalled_seconds if stamps is not None else 0.0,
-        decode_prefill_interference_seconds=stamps.decode_interference_seconds if stamps is not None else 0.0,
+        decode_stalled_by_prefill_seconds=trace.interference.stalled_seconds,
+        decode_prefill_interference_seconds=trace.interference.extra_seconds,
     )
 
 

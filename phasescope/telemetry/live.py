@@ -17,6 +17,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+from phasescope.telemetry.step.aggregator import StepSink
+from phasescope.telemetry.step.records import EngineIteration
 
 # At most this many observations are kept per figure, whatever the window.
 MAX_OBSERVATIONS = 20_000
@@ -63,9 +65,10 @@ class _Recent:
         return [value for at, value in self._values if at >= start]
 
 
-class RecentLatencies:
-    """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies; also fed
-    the engine's inter-token gaps. Thread-safe: the engine's stat logger and the servicer both add."""
+class RecentLatencies(StepSink):
+    """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies, and a
+    sink of the engine's steps for their inter-token gaps. Thread-safe: the engine's stat logger and the
+    request path both add."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock
@@ -103,10 +106,10 @@ class RecentLatencies:
         with self._lock:
             self.rejected += 1
 
-    def inter_token(self, gaps: Iterable[float]) -> None:
+    def iteration(self, iteration: EngineIteration) -> None:
         """The engine's inter-token gaps of one output batch."""
         with self._lock:
-            self._itl.extend(gaps)
+            self._itl.extend(iteration.inter_token_seconds)
 
     def figures(self, window_seconds: float) -> LatencyFigures:
         start = self._clock() - window_seconds

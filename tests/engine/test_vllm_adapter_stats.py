@@ -8,7 +8,7 @@ from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, Sch
 
 from phasescope.engine.vllm.stats import PhasescopeStatLogger, stat_logger_factory
 from phasescope.telemetry.errors import TelemetryErrors
-from phasescope.telemetry.step.steps import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 
 
 def logger(forward: StepForwarder) -> PhasescopeStatLogger:

@@ -24,7 +24,7 @@ from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from phasescope.telemetry.request.phases import EngineTimestamps
-from phasescope.telemetry.step.steps import Interference, InterferenceLedger, StepForwarder
+from phasescope.telemetry.step.records import StepForwarder
 
 logger = logging.getLogger(__name__)
 
@@ -56,10 +56,9 @@ def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dt
 class VllmEngine:
     """One `AsyncLLM` (with its engine-core processes) serving one model."""
 
-    def __init__(self, llm: Any, description: ModelDescription, interference: InterferenceLedger | None = None) -> None:
+    def __init__(self, llm: Any, description: ModelDescription) -> None:
         self._llm = llm
         self._description = description
-        self._interference = interference or InterferenceLedger()
         self._tokenizer = llm.get_tokenizer()
         self._limits = ModelLimits(
             max_model_len=description.max_context_length,
@@ -147,7 +146,7 @@ class VllmEngine:
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
             )
-            engine = cls(llm, description, steps.interference)
+            engine = cls(llm, description)
         except BaseException:
             llm.shutdown()
             raise
@@ -232,7 +231,6 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
-        ledger = self._interference
         try:
             # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
             # rendered prompts are, instead of a second hop through its renderer's thread pool
@@ -242,9 +240,7 @@ class VllmEngine:
             async with aclosing(
                 self._llm.generate({"type": "token", "prompt_token_ids": prompt_token_ids}, params, request_id)
             ) as outputs:
-                engine_index = 0
-                decode_start: Interference | None = None
-                totals = interference = Interference()
+                engine_index: int | None = None
                 async for output in outputs:
                     completion = output.outputs[0]
                     if completion.finish_reason == "abort":
@@ -255,24 +251,15 @@ class VllmEngine:
                     stats = output.metrics
                     stamps = None
                     if stats is not None:
-                        # Other requests' prefill in this request's decode: the engine's running
-                        # totals, advanced in the same output pass that delivered these tokens,
-                        # read at the first token and since (phasescope.telemetry.step.steps.InterferenceLedger).
-                        if stats.first_token_ts > 0.0:
-                            if decode_start is None:
-                                engine_index = self._engine_index(request_id)
-                                decode_start = totals = ledger.read(engine_index)
-                            current = ledger.read(engine_index)
-                            if current is not totals:  # the totals are replaced only by a mixed step
-                                totals, interference = current, current - decode_start
                         stamps = EngineTimestamps(
                             queued_ts=stats.queued_ts,
                             scheduled_ts=stats.scheduled_ts,
                             first_token_ts=stats.first_token_ts,
                             last_token_ts=stats.last_token_ts,
-                            decode_stalled_seconds=interference.stalled_seconds,
-                            decode_interference_seconds=interference.extra_seconds,
                         )
+                    if engine_index is None:
+                        # Which engine core serves it is known once the request reached one.
+                        engine_index = self._engine_index(request_id)
                     yield EngineStep(
                         text=completion.text,
                         token_ids=tuple(completion.token_ids),
@@ -281,6 +268,7 @@ class VllmEngine:
                         completion_tokens=stats.num_generation_tokens if stats is not None else 0,
                         cached_prompt_tokens=output.num_cached_tokens or 0,
                         stamps=stamps,
+                        engine_index=engine_index,
                     )
         except EngineDeadError as exc:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc

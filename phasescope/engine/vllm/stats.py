@@ -1,5 +1,5 @@
-"""A vLLM stat logger that turns each engine step into a `phasescope.telemetry.step.steps.StepRecord`
-and each output batch's per-token latencies into a `phasescope.telemetry.step.steps.EngineIteration`.
+"""A vLLM stat logger that turns each engine step into a `phasescope.telemetry.step.records.StepRecord`
+and each output batch's per-token latencies into a `phasescope.telemetry.step.records.EngineIteration`.
 
 `SchedulerStats` is documented by vLLM as an unstable interface: this module
 is the only reader of it. It needs the engine started with
@@ -16,7 +16,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from phasescope.telemetry.step.steps import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 
 
 class PhasescopeStatLogger(StatLoggerBase):

@@ -31,6 +31,7 @@ from phasescope.telemetry.request.stages import (
     Stage,
     Stamp,
 )
+from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 
 logger = logging.getLogger(__name__)
 
@@ -51,11 +52,6 @@ class EngineTimestamps:
     """The first output token was produced."""
     last_token_ts: float
     """The latest output token was produced."""
-    decode_stalled_seconds: float = 0.0
-    """Decode time so far spent in steps that also carried other requests' prefill chunks
-    (phasescope.telemetry.step.steps.InterferenceLedger)."""
-    decode_interference_seconds: float = 0.0
-    """The estimated extra time those chunks cost this request's decode so far."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,9 +129,15 @@ def _interval(name: str, start: float, end: float) -> float | None:
 
 
 def derive_phase_timings(
-    front: FrontendTimestamps, engine: EngineTimestamps | None, completion_tokens: int
+    front: FrontendTimestamps,
+    engine: EngineTimestamps | None,
+    completion_tokens: int,
+    interference: Interference | None = None,
 ) -> PhaseTimings:
-    """Split a request into its stages (`stages.STAGES`: vLLM's definitions for the engine's phases)."""
+    """Split a request into its stages (`stages.STAGES`: vLLM's definitions for the engine's phases).
+
+    `interference` is what other requests' prefill chunks cost this request's decode so far
+    (the step aggregator's ledger, read by the request's lifecycle)."""
     first_token = engine.first_token_ts if engine is not None else 0.0
     # Each stage is the interval between its two stamps (the table says what each holds).
     seconds = {
@@ -173,8 +175,8 @@ def derive_phase_timings(
         client_time_to_first_token_seconds=client_ttft,
         intake_seconds=seconds[INTAKE.name],
         # Only a request that decoded (a token after its first) has decode steps to share.
-        decode_stalled_by_prefill_seconds=engine.decode_stalled_seconds if decoded and engine else None,
-        decode_prefill_interference_seconds=engine.decode_interference_seconds if decoded and engine else None,
+        decode_stalled_by_prefill_seconds=(interference or NO_INTERFERENCE).stalled_seconds if decoded else None,
+        decode_prefill_interference_seconds=(interference or NO_INTERFERENCE).extra_seconds if decoded else None,
         abandoned_seconds=seconds.get(ABANDONED.name),
     )
 

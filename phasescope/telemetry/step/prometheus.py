@@ -1,7 +1,8 @@
 """Prometheus export of the engine's steps: per-phase and device-level roofline figures, ITL, queue state.
 
+A sink of the `StepAggregator` (phasescope.telemetry.step.aggregator), which owns the data.
 Counters since start let any window be computed in PromQL; gauges over the
-`StepWindow` are computed when scraped, so an idle engine reads 0
+aggregator's window are computed when scraped, so an idle engine reads 0
 utilisation and 1 idleness instead of its last busy value, and a phase that
 ran no step in the window has no operating point (its series are absent)
 instead of a misleading 0.
@@ -10,38 +11,17 @@ instead of a misleading 0.
 from __future__ import annotations
 
 import bisect
-import time
-from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.model.cost import ModelCost
-from phasescope.telemetry.step.steps import (
-    DEFAULT_WINDOW_SECONDS,
-    PHASES,
-    STEP_KINDS,
-    DeviceFigures,
-    EngineIteration,
-    InterferenceLedger,
-    PhaseFigures,
-    StepRecord,
-    StepWindow,
-    attribute_step,
-)
-from phasescope.telemetry.step.verdict import (
-    VERDICTS,
-    Headroom,
-    HeadroomLimits,
-    PhaseWork,
-    Verdict,
-    headroom,
-    phase_verdict,
-    token_cost,
-)
+from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
+from phasescope.telemetry.step.attribution import StepCost
+from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, StepRecord
+from phasescope.telemetry.step.verdict import VERDICTS
+from phasescope.telemetry.step.window import DeviceFigures, PhaseFigures
 
 # Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
 # to seconds on a loaded CPU.
@@ -49,28 +29,6 @@ INTER_TOKEN_SECONDS_BUCKETS = (
     0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class PhaseView:
-    figures: PhaseFigures
-    verdict: Verdict
-    cost_per_million_tokens: float | None
-
-
-@dataclass(frozen=True, slots=True)
-class EngineView:
-    """One engine over the window: what the answer series and a live snapshot show."""
-
-    engine: int
-    device: DeviceFigures
-    phases: dict[str, PhaseView]
-    running: int
-    waiting: int
-    kv_cache_usage: float
-    queue_share: float
-    headroom: Headroom
-    idle_cost_per_hour: float | None
 
 
 def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
@@ -97,40 +55,16 @@ def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
             buckets[index].inc(count)
 
 
-class StepMetrics(Collector):
-    """The engine's steps against the device's peaks, as Prometheus series.
+class StepMetrics(StepSink, Collector):
+    """The aggregated steps as Prometheus series: counters as each report arrives, the window's
+    gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
-    `peaks` are what each engine is judged against (`HardwarePeaks.shared_by`
-    when the engines share one CPU).
-    """
-
-    def __init__(
-        self,
-        model: str,
-        cost: ModelCost,
-        dtype: str,
-        peaks: HardwarePeaks,
-        registry: CollectorRegistry,
-        *,
-        engines: int = 1,
-        window_seconds: float = DEFAULT_WINDOW_SECONDS,
-        clock: Callable[[], float] = time.monotonic,
-        headroom_limits: HeadroomLimits | None = None,
-        cost_per_hour: float | None = None,
-        interference: InterferenceLedger | None = None,
-    ) -> None:
-        self._interference = interference
-        self._headroom_limits = headroom_limits or HeadroomLimits()
-        self._cost_per_hour = cost_per_hour
-        """Each engine's price per hour (None: no cost series)."""
+    def __init__(self, model: str, steps: StepAggregator, registry: CollectorRegistry) -> None:
         self._model = model
-        self._cost = cost
-        self._dtype = dtype
-        self._peaks = peaks
-        self._engines = engines
-        self.window = StepWindow(
-            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
-        )
+        self._steps = steps
+        self._peaks = steps.peaks
+        self._dtype = steps.dtype
+        engines = self._engines = steps.engines
         labels = ["model", "engine", "phase"]
         self.flops = Counter(
             "phasescope_model_flops",
@@ -211,16 +145,9 @@ class StepMetrics(Collector):
         self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
         self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge]] = {}
         registry.register(self)
+        steps.add_sink(self)
 
-    @property
-    def peak_memory_bandwidth_bytes_per_second(self) -> float:
-        return self._peaks.memory_bandwidth_bytes_per_second
-
-    @property
-    def peak_flops(self) -> float:
-        return self._peaks.peak_flops(self._dtype)
-
-    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
         children = self._queue_children.get(engine)
         if children is None:
             labels = (self._model, str(engine))
@@ -232,9 +159,8 @@ class StepMetrics(Collector):
         children[0].set(running)
         children[1].set(waiting)
         children[2].set(kv_cache_usage)
-        self.window.add_queue(engine, running, waiting, kv_cache_usage)
 
-    def record_iteration(self, iteration: EngineIteration) -> None:
+    def iteration(self, iteration: EngineIteration) -> None:
         observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
             self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
@@ -252,8 +178,7 @@ class StepMetrics(Collector):
             )
         return children
 
-    def record(self, step: StepRecord) -> None:
-        cost = attribute_step(step, self._cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+    def step(self, step: StepRecord, cost: StepCost) -> None:
         self.steps.labels(self._model, str(step.engine), step.kind).inc()
         for phase, share in cost.shares.items():
             if share.tokens == 0:
@@ -264,13 +189,11 @@ class StepMetrics(Collector):
             written.inc(share.written_bytes)
             busy.inc(share.seconds)
             tokens.inc(share.tokens)
-        self.window.add(step, cost)
-        if self._interference is not None:
-            self._interference.record(step, cost.shares["decode"].seconds)
 
     def collect(self) -> Iterator[Metric]:
-        phases, devices = self.window.figures()
-        window = f"over the last {self.window.window_seconds:g} s of engine steps"
+        window_of_steps = self._steps.window
+        phases, devices = window_of_steps.figures()
+        window = f"over the last {window_of_steps.window_seconds:g} s of engine steps"
         labels = ["model", "engine", "phase"]
         tokens_per_second = GaugeMetricFamily(
             "phasescope_tokens_per_second", f"Tokens per second per phase {window}.", labels=labels
@@ -312,7 +235,7 @@ class StepMetrics(Collector):
         yield from (tokens_per_second, bandwidth, compute, intensity, batch)
         yield from self._device_families(devices, window)
         yield from self._answer_families(phases, devices)
-        agreement = self.window.agreement()
+        agreement = window_of_steps.agreement()
         if agreement:
             family = GaugeMetricFamily(
                 "phasescope_cost_model_agreement_ratio",
@@ -323,62 +246,6 @@ class StepMetrics(Collector):
                 family.add_metric([self._model, quantity], ratio)
             yield family
         yield from self._peak_families()
-
-    def views(self) -> tuple[float, list[EngineView]]:
-        """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
-        phases, devices = self.window.figures()
-        return self.window.length(), self._views(phases, devices)
-
-    def _views(
-        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
-    ) -> list[EngineView]:
-        length = self.window.length()
-        queue_shares = self.window.queue_shares()
-        schedulers = self.window.schedulers()
-        views = []
-        for engine, device in devices.items():
-            share = queue_shares.get(engine, 0.0)
-            running, waiting, kv_usage = schedulers.get(engine, (0, 0, 0.0))
-            cost = None
-            if self._cost_per_hour is not None:
-                cost = token_cost(
-                    self._cost_per_hour,
-                    length,
-                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
-                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
-                    device.compute_idle,
-                )
-            phase_views = {}
-            for phase in PHASES:
-                figures = phases[(engine, phase)]
-                work = PhaseWork(
-                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
-                )
-                phase_views[phase] = PhaseView(
-                    figures,
-                    phase_verdict(phase, work, length, share),
-                    cost.per_million_tokens.get(phase) if cost is not None else None,
-                )
-            views.append(
-                EngineView(
-                    engine=engine,
-                    device=device,
-                    phases=phase_views,
-                    running=running,
-                    waiting=waiting,
-                    kv_cache_usage=kv_usage,
-                    queue_share=share,
-                    headroom=headroom(
-                        self._headroom_limits,
-                        device.memory_bandwidth_utilization,
-                        device.compute_utilization,
-                        kv_usage,
-                        share,
-                    ),
-                    idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
-                )
-            )
-        return views
 
     def _answer_families(
         self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
@@ -420,7 +287,7 @@ class StepMetrics(Collector):
             "compute; absent without --accelerator-cost-per-hour.",
             labels=["model", "engine"],
         )
-        for view in self._views(phases, devices):
+        for view in self._steps.views_of(phases, devices):
             labels = [self._model, str(view.engine)]
             queue.add_metric(labels, view.queue_share)
             for phase, phase_view in view.phases.items():
@@ -435,7 +302,7 @@ class StepMetrics(Collector):
             if view.idle_cost_per_hour is not None:
                 idle_cost.add_metric(labels, view.idle_cost_per_hour)
         yield from (bound, overhead, queue, room)
-        if self._cost_per_hour is not None:
+        if self._steps.cost_per_hour is not None:
             yield from (per_million, idle_cost)
 
     def _device_families(self, devices: dict[int, DeviceFigures], window: str) -> Iterator[Metric]:
@@ -482,19 +349,19 @@ class StepMetrics(Collector):
             "Peak memory bandwidth each engine is judged against (a CPU's is shared between its engines).",
             labels=["model", "source"],
         )
-        bandwidth.add_metric([self._model, source], self.peak_memory_bandwidth_bytes_per_second)
+        bandwidth.add_metric([self._model, source], self._steps.peak_memory_bandwidth_bytes_per_second)
         flops = GaugeMetricFamily(
             "phasescope_hardware_peak_flops_per_second",
             "Peak dense FLOP/s in the served dtype each engine is judged against.",
             labels=["model", "source", "dtype"],
         )
-        flops.add_metric([self._model, source, self._dtype], self.peak_flops)
+        flops.add_metric([self._model, source, self._dtype], self._steps.peak_flops)
         ridge = GaugeMetricFamily(
             "phasescope_roofline_ridge_point_flops_per_byte",
             "Ridge point = peak FLOP/s ÷ peak bytes/s: the intensity above which a step is compute-bound.",
             labels=["model"],
         )
-        ridge.add_metric([self._model], self.peak_flops / self.peak_memory_bandwidth_bytes_per_second)
+        ridge.add_metric([self._model], self._steps.peak_flops / self._steps.peak_memory_bandwidth_bytes_per_second)
         info = GaugeMetricFamily(
             "phasescope_hardware_info",
             "The device the engines run on and where its peaks came from (value is always 1).",

@@ -23,8 +23,9 @@ from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import RecentLatencies
 from phasescope.telemetry.request.observer import ObserverGroup
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
+from phasescope.telemetry.step.aggregator import StepAggregator
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.steps import StepRecord
+from phasescope.telemetry.step.records import StepRecord
 from phasescope.v1 import inference_pb2 as pb
 from support.fake_engine import Script, ScriptedEngine
 
@@ -33,7 +34,7 @@ PEAKS = HardwarePeaks("toy", 100e9, {"float32": 1e12, "fp32": 1e12}, "flag", "to
 
 
 class Watched:
-    def __init__(self, client: AsyncClient, tracker: StepMetrics, servicer: InferenceServicer) -> None:
+    def __init__(self, client: AsyncClient, tracker: StepAggregator, servicer: InferenceServicer) -> None:
         self.client = client
         self.tracker = tracker
         self.servicer = servicer
@@ -48,7 +49,8 @@ async def serve(engine: ScriptedEngine, max_watchers: int = 4) -> AsyncIterator[
         max_watchers=max_watchers,
     )
     description = engine.description
-    tracker = StepMetrics(MODEL, description.cost, "float32", PEAKS, registry, window_seconds=5.0)
+    tracker = StepAggregator(description.cost, "float32", PEAKS, window_seconds=5.0)
+    StepMetrics(MODEL, tracker, registry)
     servicer.attach_engine(engine, PEAKS)
     servicer.attach_telemetry(
         ServerFacts(MODEL, "toy device", "float32", PEAKS, time.monotonic()), LiveTelemetry(tracker, recent)

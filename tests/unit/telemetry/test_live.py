@@ -3,6 +3,7 @@
 import pytest
 
 from phasescope.telemetry.live import RecentLatencies, percentile
+from phasescope.telemetry.step.records import EngineIteration
 
 
 class Clock:
@@ -31,9 +32,9 @@ def test_an_empty_window_reports_zero() -> None:
 def test_the_window_keeps_only_its_last_seconds() -> None:
     clock = Clock()
     recent = RecentLatencies(clock)
-    recent.inter_token([5.0])
+    recent.iteration(EngineIteration(0, [5.0], 0))
     clock.now += 20.0
-    recent.inter_token([0.4, 0.1, 0.3, 0.2])
+    recent.iteration(EngineIteration(0, [0.4, 0.1, 0.3, 0.2], 0))
     figures = recent.figures(window_seconds=10.0)
     assert figures.inter_token_samples == 4
     assert figures.inter_token_p50 == pytest.approx(0.25)

@@ -3,6 +3,7 @@ import logging
 import pytest
 
 from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps, PhaseRecord, derive_phase_timings
+from phasescope.telemetry.step.interference import Interference
 
 # Every reading is one monotonic clock (~1000 s); the wall clock is read once, at entry.
 WALL_AT_ENTRY = 1.7e9
@@ -103,11 +104,11 @@ def test_prefill_tokens_computed_excludes_prefix_cache_hits() -> None:
 
 
 def test_prefill_interference_is_reported_for_a_request_that_decoded_only() -> None:
-    engine = EngineTimestamps(100.0, 100.1, 100.5, 102.5, decode_stalled_seconds=0.4, decode_interference_seconds=0.3)
-    timings = derive_phase_timings(front(99.9), engine, 20)
+    engine = EngineTimestamps(100.0, 100.1, 100.5, 102.5)
+    timings = derive_phase_timings(front(99.9), engine, 20, Interference(stalled_seconds=0.4, extra_seconds=0.3))
     assert timings.decode_stalled_by_prefill_seconds == 0.4
     assert timings.decode_prefill_interference_seconds == 0.3
     # One token: no decode step to share with anyone.
-    single = derive_phase_timings(front(99.9), EngineTimestamps(100.0, 100.1, 100.5, 100.5), 1)
+    single = derive_phase_timings(front(99.9), EngineTimestamps(100.0, 100.1, 100.5, 100.5), 1, Interference(0.4, 0.3))
     assert single.decode_stalled_by_prefill_seconds is None
     assert single.decode_prefill_interference_seconds is None

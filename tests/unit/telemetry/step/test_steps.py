@@ -1,11 +1,16 @@
+from typing import Any
+
 import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.cost import model_cost_from_config
+from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
+from phasescope.telemetry.step.attribution import StepCost, attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.steps import EngineIteration, StepForwarder, StepRecord, attribute_step, overlap_fraction
+from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.window import overlap_fraction
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
 PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
@@ -23,9 +28,14 @@ class FakeClock:
         return self.now
 
 
-def metrics(clock: FakeClock, registry: CollectorRegistry, engines: int = 1, shared: bool = False) -> StepMetrics:
+def metrics(
+    clock: FakeClock, registry: CollectorRegistry, engines: int = 1, shared: bool = False, **options: Any
+) -> StepAggregator:
+    """The steps' aggregator with its Prometheus export in `registry`."""
     peaks = PEAKS.shared_by(engines) if shared else PEAKS
-    return StepMetrics("m", COST, "float32", peaks, registry, engines=engines, window_seconds=10.0, clock=clock)
+    aggregator = StepAggregator(COST, "float32", peaks, engines=engines, window_seconds=10.0, clock=clock, **options)
+    StepMetrics("m", aggregator, registry)
+    return aggregator
 
 
 def decode_step(
@@ -335,7 +345,7 @@ def test_headroom_names_the_nearest_limit() -> None:
 
 def test_cost_per_million_tokens_and_idle_cost_when_priced() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = StepMetrics("m", COST, "float32", PEAKS, registry, window_seconds=10.0, clock=clock, cost_per_hour=3.6)
+    roofline = metrics(clock, registry, cost_per_hour=3.6)
     clock.now += 10
     # Only decode ran: it carries the window's whole $0.01 over its 100 tokens = $100 per million.
     for _ in range(100):
@@ -353,7 +363,7 @@ def test_without_a_price_there_are_no_cost_series() -> None:
 
 
 def test_the_interference_ledger_charges_mixed_steps_against_decode_only_ones() -> None:
-    from phasescope.telemetry.step.steps import Interference, InterferenceLedger
+    from phasescope.telemetry.step.interference import Interference, InterferenceLedger
 
     ledger = InterferenceLedger()
     # Decode-only steps of batch 4 take 50 ms: the reference. They add nothing.
@@ -374,19 +384,35 @@ def test_the_interference_ledger_charges_mixed_steps_against_decode_only_ones() 
 
 
 def test_before_any_decode_only_step_the_roofline_split_is_the_reference() -> None:
-    from phasescope.telemetry.step.steps import InterferenceLedger
+    from phasescope.telemetry.step.interference import InterferenceLedger
 
     ledger = InterferenceLedger()
     ledger.record(StepRecord(0, 1, 300, 4, 4, 0.2), decode_share_seconds=0.03)
     assert ledger.read(0).extra_seconds == pytest.approx(0.17)
 
 
-def test_step_metrics_advance_the_ledger_they_are_given() -> None:
-    from phasescope.telemetry.step.steps import InterferenceLedger
+def test_the_aggregator_advances_its_ledger_whatever_its_sinks() -> None:
+    # Guards the defect of per-request interference living in the Prometheus sink: without a sink,
+    # a request still reads its interference.
+    aggregator = StepAggregator(COST, "float32", PEAKS, window_seconds=10.0, clock=FakeClock())
+    aggregator.record(decode_step(2, elapsed=0.05))
+    aggregator.record(StepRecord(0, 1, 100, 2, 2, 0.08))
+    assert aggregator.read_interference(0).stalled_seconds == pytest.approx(0.08)
+    assert aggregator.read_interference(0).extra_seconds == pytest.approx(0.03)
 
-    clock, registry, ledger = FakeClock(), CollectorRegistry(), InterferenceLedger()
-    tracker = StepMetrics("m", COST, "float32", PEAKS, registry, window_seconds=10.0, clock=clock, interference=ledger)
-    tracker.record(decode_step(2, elapsed=0.05))
-    tracker.record(StepRecord(0, 1, 100, 2, 2, 0.08))
-    assert ledger.read(0).stalled_seconds == pytest.approx(0.08)
-    assert ledger.read(0).extra_seconds == pytest.approx(0.03)
+
+def test_every_sink_hears_each_report_with_the_attribution_made_once() -> None:
+    heard: list[str] = []
+
+    class Listening(StepSink):
+        def step(self, step: StepRecord, cost: StepCost) -> None:
+            heard.append(f"step {cost.shares['decode'].tokens}")
+
+        def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+            heard.append(f"queue {running}/{waiting}")
+
+    aggregator = StepAggregator(COST, "float32", PEAKS, sinks=(Listening(),), clock=FakeClock())
+    aggregator.record(decode_step(3))
+    aggregator.record_queue(0, running=3, waiting=1, kv_cache_usage=0.1)
+    aggregator.record_iteration(EngineIteration(0, (0.01,), 0))  # a sink that ignores iterations needs no method
+    assert heard == ["step 3", "queue 3/1"]

@@ -1,0 +1,190 @@
+"""The engine's steps, aggregated once for every reader: the window, the interference ledger, the views.
+
+vLLM's v1 metrics keep the data (`stats.py`) apart from where it is sent (`loggers.py`); so does
+this room. `StepAggregator` takes every report the engine makes (through
+`records.StepForwarder`), attributes each step to the phases once, and keeps what every reader
+asks of it: the window's figures, each engine's view with its verdicts, headroom and cost, and the
+interference totals a request reads for its own decode. Sinks (the Prometheus export) are told of
+each report with the attribution already made (`StepSink`, whose methods do nothing by default);
+live readers (WatchTelemetry, `top`) and the Prometheus gauges read the views. Removing a sink
+changes nothing else.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.step.attribution import StepCost, attribute_step
+from phasescope.telemetry.step.interference import Interference, InterferenceLedger
+from phasescope.telemetry.step.records import PHASES, EngineIteration, StepRecord
+from phasescope.telemetry.step.verdict import (
+    Headroom,
+    HeadroomLimits,
+    PhaseWork,
+    Verdict,
+    headroom,
+    phase_verdict,
+    token_cost,
+)
+from phasescope.telemetry.step.window import DEFAULT_WINDOW_SECONDS, DeviceFigures, PhaseFigures, StepWindow
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseView:
+    figures: PhaseFigures
+    verdict: Verdict
+    cost_per_million_tokens: float | None
+
+
+@dataclass(frozen=True, slots=True)
+class EngineView:
+    """One engine over the window: what the answer series and a live snapshot show."""
+
+    engine: int
+    device: DeviceFigures
+    phases: dict[str, PhaseView]
+    running: int
+    waiting: int
+    kv_cache_usage: float
+    queue_share: float
+    headroom: Headroom
+    idle_cost_per_hour: float | None
+
+
+class StepSink:
+    """Where each report goes once aggregated; every method does nothing unless a sink needs it."""
+
+    def step(self, step: StepRecord, cost: StepCost) -> None:
+        """One engine step, with its attribution to the phases."""
+
+    def iteration(self, iteration: EngineIteration) -> None:
+        """One output batch's inter-token gaps and preemptions."""
+
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The engine's scheduler state at a stats update."""
+
+
+class StepAggregator:
+    """The engines' steps against the device's peaks: the window, the ledger and the views.
+
+    `peaks` are what each engine is judged against (`HardwarePeaks.shared_by` when the engines
+    share one CPU).
+    """
+
+    def __init__(
+        self,
+        cost: ModelCost,
+        dtype: str,
+        peaks: HardwarePeaks,
+        *,
+        engines: int = 1,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+        headroom_limits: HeadroomLimits | None = None,
+        cost_per_hour: float | None = None,
+        sinks: Iterable[StepSink] = (),
+    ) -> None:
+        """`cost_per_hour` is each engine's price (None: no cost figures)."""
+        self.cost = cost
+        self.dtype = dtype
+        self.peaks = peaks
+        self.engines = engines
+        self._headroom_limits = headroom_limits or HeadroomLimits()
+        self.cost_per_hour = cost_per_hour
+        self.window = StepWindow(
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
+        )
+        self.interference = InterferenceLedger()
+        self._sinks: tuple[StepSink, ...] = tuple(sinks)
+
+    def add_sink(self, sink: StepSink) -> None:
+        self._sinks = (*self._sinks, sink)
+
+    @property
+    def peak_memory_bandwidth_bytes_per_second(self) -> float:
+        return self.peaks.memory_bandwidth_bytes_per_second
+
+    @property
+    def peak_flops(self) -> float:
+        return self.peaks.peak_flops(self.dtype)
+
+    def record(self, step: StepRecord) -> None:
+        cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        self.window.add(step, cost)
+        self.interference.record(step, cost.shares["decode"].seconds)
+        for sink in self._sinks:
+            sink.step(step, cost)
+
+    def record_iteration(self, iteration: EngineIteration) -> None:
+        for sink in self._sinks:
+            sink.iteration(iteration)
+
+    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        self.window.add_queue(engine, running, waiting, kv_cache_usage)
+        for sink in self._sinks:
+            sink.queue(engine, running, waiting, kv_cache_usage)
+
+    def read_interference(self, engine: int) -> Interference:
+        """The engine's running interference totals, for a request to difference over its decode."""
+        return self.interference.read(engine)
+
+    def views(self) -> tuple[float, list[EngineView]]:
+        """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
+        phases, devices = self.window.figures()
+        return self.window.length(), self.views_of(phases, devices)
+
+    def views_of(
+        self, phases: dict[tuple[int, str], PhaseFigures], devices: dict[int, DeviceFigures]
+    ) -> list[EngineView]:
+        """Each engine's view of figures already read from the window (a scrape reads them once)."""
+        length = self.window.length()
+        queue_shares = self.window.queue_shares()
+        schedulers = self.window.schedulers()
+        views = []
+        for engine, device in devices.items():
+            share = queue_shares.get(engine, 0.0)
+            running, waiting, kv_usage = schedulers.get(engine, (0, 0, 0.0))
+            cost = None
+            if self.cost_per_hour is not None:
+                cost = token_cost(
+                    self.cost_per_hour,
+                    length,
+                    {phase: phases[(engine, phase)].busy_seconds for phase in PHASES},
+                    {phase: phases[(engine, phase)].tokens_per_second * length for phase in PHASES},
+                    device.compute_idle,
+                )
+            phase_views = {}
+            for phase in PHASES:
+                figures = phases[(engine, phase)]
+                work = PhaseWork(
+                    figures.busy_seconds, figures.memory_seconds, figures.compute_seconds, figures.predicted_seconds
+                )
+                phase_views[phase] = PhaseView(
+                    figures,
+                    phase_verdict(phase, work, length, share),
+                    cost.per_million_tokens.get(phase) if cost is not None else None,
+                )
+            views.append(
+                EngineView(
+                    engine=engine,
+                    device=device,
+                    phases=phase_views,
+                    running=running,
+                    waiting=waiting,
+                    kv_cache_usage=kv_usage,
+                    queue_share=share,
+                    headroom=headroom(
+                        self._headroom_limits,
+                        device.memory_bandwidth_utilization,
+                        device.compute_utilization,
+                        kv_usage,
+                        share,
+                    ),
+                    idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
+                )
+            )
+        return views

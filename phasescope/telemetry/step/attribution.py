@@ -1,0 +1,141 @@
+"""Each engine step's work, attributed to the phases (pure).
+
+Each step is classified (prefill-only, decode-only or mixed, `records.StepRecord.kind`) and its
+FLOPs, bytes and time are charged to the phases (`attribute_step`).
+
+**The phase split (written once, here and in docs/metrics.md).** A pure step
+belongs wholly to its phase. In a mixed step (chunked prefill: new prompts'
+chunks scheduled beside running decodes) each phase is charged its marginal
+cost, so that neither phase's operating point is contaminated by the other's:
+- FLOPs are split in the cost model's proportion: ≈ 2 × active parameters
+  per token in either phase, but the LM head runs once per prefill request
+  and attention depends on each phase's context.
+- Bytes read: decode pays what a decode-only step of its batch would read by
+  the cost model — the weights its tokens touch once (all of them for a dense
+  model), plus its sequences' KV cache (estimated
+  as the cache in use less the chunk's tokens), at most the step's total; the
+  prefill chunk pays the rest, everything it adds (its KV, its activations).
+- Bytes written: decode pays its new tokens' KV entries; the chunk the rest.
+- Time is split in proportion to each phase's roofline time for the work it
+  was charged (max of bytes ÷ peak bandwidth and FLOPs ÷ peak FLOP/s).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.step.records import PHASES, StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseShare:
+    """The part of one step charged to one phase."""
+
+    tokens: int
+    requests: int
+    seconds: float
+    flops: float
+    read_bytes: float
+    written_bytes: float
+
+    @property
+    def moved_bytes(self) -> float:
+        return self.read_bytes + self.written_bytes
+
+
+@dataclass(frozen=True, slots=True)
+class StepCost:
+    """A step's totals and their attribution to the phases."""
+
+    flops: float
+    read_bytes: float
+    written_bytes: float
+    model_flops: float
+    """The project's cost model's FLOPs for the step (the cross-check of the engine's estimate)."""
+    model_read_bytes: float
+    shares: dict[str, PhaseShare]
+
+
+def decode_context_tokens(step: StepRecord) -> int:
+    """Tokens in the KV cache of the step's decoding sequences: the cache in use less the chunks' tokens."""
+    return max(0, step.kv_cache_tokens - step.prefill_tokens)
+
+
+def model_step_cost(cost: ModelCost, step: StepRecord) -> tuple[float, float, float]:
+    """(FLOPs, bytes read, bytes written) on each device of a step, by the project's own cost model."""
+    tokens = step.prefill_tokens + step.decode_tokens
+    # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
+    # decode tokens (LM head each, attention over their sequences' context).
+    flops = cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + cost.decode_flops(
+        step.decode_tokens, decode_context_tokens(step)
+    )
+    # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
+    read_bytes = cost.weights_read(tokens) + step.kv_cache_tokens * cost.device_kv_cache_bytes_per_token
+    # Bytes written ≈ each computed token's new KV entries.
+    written_bytes = tokens * cost.device_kv_cache_bytes_per_token
+    return flops, read_bytes, written_bytes
+
+
+def attribute_step(
+    step: StepRecord, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float
+) -> StepCost:
+    """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
+    model_flops, model_read, model_written = model_step_cost(cost, step)
+    flops = step.flops if step.flops is not None else model_flops
+    read_bytes = step.read_bytes if step.read_bytes is not None else model_read
+    written_bytes = step.written_bytes if step.written_bytes is not None else model_written
+    total_tokens = step.prefill_tokens + step.decode_tokens
+    kind = step.kind
+    if kind == "mixed":
+        token_share = step.decode_tokens / total_tokens
+        # Decode pays what a decode-only step of its batch would move: the weights once and
+        # its own sequences' KV (by the cost model, at most the step's total); the chunk pays
+        # the rest, everything it adds (its KV, its activations).
+        kv_bytes = cost.device_kv_cache_bytes_per_token
+        decode_alone_read = cost.weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
+        decode_read_bytes = min(read_bytes, decode_alone_read)
+        decode_written = min(written_bytes, step.decode_tokens * kv_bytes)
+        # FLOPs are split in the cost model's proportion (its decode FLOPs ÷ its step FLOPs).
+        model_decode_flops = cost.decode_flops(step.decode_tokens, decode_context_tokens(step))
+        decode_flops = flops * (model_decode_flops / model_flops if model_flops > 0 else token_share)
+        prefill_flops, prefill_read_bytes = flops - decode_flops, read_bytes - decode_read_bytes
+        prefill_written = written_bytes - decode_written
+
+        def roofline_seconds(phase_flops: float, moved: float) -> float:
+            return max(moved / peak_bandwidth_bytes_per_second, phase_flops / peak_flops)
+
+        decode_time = roofline_seconds(decode_flops, decode_read_bytes + decode_written)
+        prefill_time = roofline_seconds(prefill_flops, prefill_read_bytes + prefill_written)
+        time_share = decode_time / (decode_time + prefill_time) if decode_time + prefill_time else token_share
+        decode_seconds = step.elapsed_seconds * time_share
+        shares = {
+            "prefill": PhaseShare(
+                step.prefill_tokens,
+                step.prefill_requests,
+                step.elapsed_seconds - decode_seconds,
+                prefill_flops,
+                prefill_read_bytes,
+                prefill_written,
+            ),
+            "decode": PhaseShare(
+                step.decode_tokens,
+                step.decode_requests,
+                decode_seconds,
+                decode_flops,
+                decode_read_bytes,
+                decode_written,
+            ),
+        }
+    else:
+        empty = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0)
+        whole = PhaseShare(
+            total_tokens,
+            step.prefill_requests + step.decode_requests,
+            step.elapsed_seconds,
+            flops,
+            read_bytes,
+            written_bytes,
+        )
+        shares = {phase: whole if phase == kind else empty for phase in PHASES}
+    return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)

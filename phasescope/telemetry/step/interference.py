@@ -1,0 +1,76 @@
+"""What other requests' prefill chunks cost a decoding request (pure)."""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from phasescope.telemetry.step.records import StepRecord
+
+
+@dataclass(frozen=True, slots=True)
+class Interference:
+    """What other requests' prefill cost a decoding request (or, as running totals, an engine's decodes)."""
+
+    stalled_seconds: float = 0.0
+    """Decode time spent in steps that also carried prefill chunks."""
+    extra_seconds: float = 0.0
+    """The estimated extra time those chunks cost: each such step's time minus what a decode-only
+    step of the same batch takes (the engine's own recent decode-only steps)."""
+
+    def __sub__(self, other: Interference) -> Interference:
+        return Interference(self.stalled_seconds - other.stalled_seconds, self.extra_seconds - other.extra_seconds)
+
+
+NO_INTERFERENCE = Interference()
+
+DECODE_REFERENCE_SMOOTHING = 0.2
+"""Weight of the newest decode-only step in the per-batch-size reference (an exponential average)."""
+
+
+class InterferenceLedger:
+    """Per engine, running totals of `Interference`, advanced once per engine step.
+
+    The engine's steps and its requests' tokens come from the same engine-core output batches:
+    vLLM's output handler hands a batch's tokens to the requests and then reports the batch's step
+    (phasescope.engine.vllm.stats), so a request that reads the totals when its tokens arrive and
+    again when it finishes gets the steps of its decode. The reference for "a decode-only step of
+    the same batch" is the exponential average of this engine's decode-only steps of that batch
+    size, else of the nearest batch size seen; before any decode-only step, the roofline split
+    of the mixed step (its decode share of the time) stands in.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._totals: dict[int, Interference] = {}
+        self._decode_only: dict[int, dict[int, float]] = {}
+
+    def record(self, step: StepRecord, decode_share_seconds: float) -> None:
+        kind = step.kind
+        if kind == "prefill" or step.decode_requests == 0:
+            return
+        with self._lock:
+            references = self._decode_only.setdefault(step.engine, {})
+            if kind == "decode":
+                old = references.get(step.decode_requests)
+                references[step.decode_requests] = (
+                    step.elapsed_seconds
+                    if old is None
+                    else old + DECODE_REFERENCE_SMOOTHING * (step.elapsed_seconds - old)
+                )
+                return
+            reference = references.get(step.decode_requests)
+            if reference is None and references:
+                nearest = min(references, key=lambda batch: abs(batch - step.decode_requests))
+                reference = references[nearest]
+            alone = reference if reference is not None else decode_share_seconds
+            total = self._totals.get(step.engine, Interference())
+            self._totals[step.engine] = Interference(
+                total.stalled_seconds + step.elapsed_seconds,
+                total.extra_seconds + max(0.0, step.elapsed_seconds - alone),
+            )
+
+    def read(self, engine: int) -> Interference:
+        """The engine's running totals; the same object until its next mixed step (read once per request
+        per output pass, so it takes no lock: `record` replaces the totals whole, never mutates them)."""
+        return self._totals.get(engine, NO_INTERFERENCE)

@@ -1,0 +1,91 @@
+"""What the engine reports each step, and the seam its reports cross (pure: no Prometheus here).
+
+The engine reports every step (phasescope.engine.vllm.stats turns vLLM's SchedulerStats into a
+`StepRecord`) and every output batch's inter-token gaps (`EngineIteration`) through a
+`StepForwarder`, which hands them to the aggregator (`aggregator.StepAggregator`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+PHASES = ("prefill", "decode")
+STEP_KINDS = ("prefill", "decode", "mixed")
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step, as the engine core accounted it."""
+
+    engine: int
+    prefill_requests: int
+    prefill_tokens: int
+    """Prompt tokens computed, chunks and recomputation after preemption included."""
+    decode_requests: int
+    decode_tokens: int
+    """New output tokens computed (one per decoding sequence, more with speculative decoding)."""
+    elapsed_seconds: float
+    """The step's execution time, measured in the engine core."""
+    flops: float | None = None
+    """The engine's own estimate for the step (vLLM --enable-mfu-metrics), per device."""
+    read_bytes: float | None = None
+    written_bytes: float | None = None
+    kv_cache_tokens: int = 0
+    """Tokens held in the KV cache at this step (read once by a decode step)."""
+
+    @property
+    def kind(self) -> str:
+        """ "prefill" or "decode" when the step carried one phase only, else "mixed"."""
+        if not self.decode_tokens:
+            return "prefill"
+        if not self.prefill_tokens:
+            return "decode"
+        return "mixed"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineIteration:
+    """Per-output-batch facts the engine's front end computed (vLLM's IterationStats)."""
+
+    engine: int
+    inter_token_seconds: Sequence[float]
+    """Every gap between a request's consecutive output tokens in this batch, on the engine core's clock."""
+    preemptions: int
+
+
+class StepForwarder:
+    """Where the engine's reports go; reports seen before a sink is attached are dropped.
+
+    The engine needs its stat logger before it starts, the sink needs the
+    engine's dtype and device, which are known only after: this sits between.
+    Nothing raised by a sink reaches the engine (vLLM would fail every request
+    in flight): it goes to `on_error`.
+    """
+
+    def __init__(self, on_error: Callable[[str, BaseException], None] = lambda component, exc: None) -> None:
+        self.sink: Callable[[StepRecord], None] | None = None
+        self.iteration_sink: Callable[[EngineIteration], None] | None = None
+        self.queue_sink: Callable[[int, int, int, float], None] | None = None
+        self.on_error = on_error
+
+    def failed(self, exc: BaseException) -> None:
+        self.on_error("step", exc)
+
+    def _deliver(self, sink: Callable[..., None] | None, *report: object) -> None:
+        if sink is None:
+            return
+        try:
+            sink(*report)
+        except Exception as exc:
+            self.failed(exc)
+
+    def __call__(self, step: StepRecord) -> None:
+        self._deliver(self.sink, step)
+
+    def iteration(self, iteration: EngineIteration) -> None:
+        self._deliver(self.iteration_sink, iteration)
+
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The engine's scheduler state, reported with every stats update (also after aborts)."""
+        self._deliver(self.queue_sink, engine, running, waiting, kv_cache_usage)

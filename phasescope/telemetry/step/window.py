@@ -1,0 +1,227 @@
+"""The figures of the last few seconds of engine steps, per engine and phase (pure).
+
+`StepWindow` keeps each step with its attribution and turns the steps of the window into
+tokens/s, bandwidth saturation, MFU, arithmetic intensity and busy time.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from phasescope.telemetry.step.attribution import StepCost
+from phasescope.telemetry.step.records import PHASES, StepRecord
+
+DEFAULT_WINDOW_SECONDS = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class PhaseFigures:
+    """One phase of one engine over the window. Operating-point figures are None when no step carried the phase."""
+
+    tokens_per_second: float
+    memory_bandwidth_utilization: float | None
+    """This phase's share of the device's bandwidth: its bytes moved ÷ window ÷ peak bytes/s."""
+    compute_utilization: float | None
+    """This phase's share of the device's compute: its FLOPs ÷ window ÷ peak FLOP/s."""
+    arithmetic_intensity: float | None
+    """FLOPs ÷ bytes moved by this phase: where it sits on the roofline."""
+    batch_size: float | None
+    """Mean requests per step that carried this phase."""
+    busy_seconds: float
+    memory_seconds: float = 0.0
+    """Σ this phase's bytes moved ÷ peak bandwidth: the time its bytes need at the roof."""
+    compute_seconds: float = 0.0
+    """Σ this phase's FLOPs ÷ peak FLOP/s."""
+    predicted_seconds: float = 0.0
+    """Σ per step max(bytes time, FLOPs time): the roofline's time for the phase's work."""
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFigures:
+    """One engine's device over the window, all steps together."""
+
+    memory_bandwidth_utilization: float
+    compute_utilization: float
+    arithmetic_intensity: float | None
+    """None when no step ran in the window."""
+    busy_ratio: float
+    """Share of the window the engine spent executing steps."""
+
+    @property
+    def compute_idle(self) -> float:
+        """Compute idleness = 1 − MFU of all steps."""
+        return 1.0 - self.compute_utilization
+
+
+@dataclass(slots=True)
+class _Windowed:
+    end: float
+    duration: float
+    engine: int
+    cost: StepCost
+    step: StepRecord
+
+
+def overlap_fraction(end: float, duration: float, window_start: float, window_end: float) -> float:
+    """Share of a step lying inside the window: its work is spread evenly over its duration."""
+    if duration <= 0.0:
+        return 1.0 if window_start <= end <= window_end else 0.0
+    start = end - duration
+    inside = min(end, window_end) - max(start, window_start)
+    return max(0.0, min(1.0, inside / duration))
+
+
+class StepWindow:
+    """The steps of the last `window_seconds`, per engine, and the figures they give.
+
+    A step is recorded when it ends and covers the `elapsed_seconds` before;
+    only the part of it that lies inside the window counts, so a long prefill
+    step cannot push a window's utilisation above 1.
+    """
+
+    def __init__(
+        self,
+        engines: int,
+        peak_bandwidth_bytes_per_second: float,
+        peak_flops: float,
+        window_seconds: float = DEFAULT_WINDOW_SECONDS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.engines = engines
+        self.window_seconds = window_seconds
+        self._bandwidth = peak_bandwidth_bytes_per_second
+        self._flops = peak_flops
+        self._clock = clock
+        self._started = clock()
+        self._lock = threading.Lock()
+        self._recent: deque[_Windowed] = deque()
+        # Scheduler samples (time, engine, running, waiting), one per stats update.
+        self._queue: deque[tuple[float, int, int, int]] = deque()
+        self._scheduler: dict[int, tuple[int, int, float]] = {}
+
+    def add(self, step: StepRecord, cost: StepCost) -> None:
+        now = self._clock()
+        with self._lock:
+            self._recent.append(_Windowed(now, step.elapsed_seconds, step.engine, cost, step))
+            self._expire(now)
+
+    def add_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        """The engine's scheduler state at a stats update (every step, and after aborts)."""
+        now = self._clock()
+        with self._lock:
+            self._queue.append((now, engine, running, waiting))
+            self._scheduler[engine] = (running, waiting, kv_cache_usage)
+            self._expire(now)
+
+    def _expire(self, now: float) -> None:
+        horizon = now - self.window_seconds
+        while self._recent and self._recent[0].end < horizon:
+            self._recent.popleft()
+        while self._queue and self._queue[0][0] < horizon:
+            self._queue.popleft()
+
+    def queue_shares(self) -> dict[int, float]:
+        """Per engine: the share of request time in the engine spent waiting for a slot, over the window.
+
+        Each scheduler sample holds from the engine's previous sample to this one: waiting × that
+        time is request-seconds queued, running × it request-seconds running.
+        """
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            samples = list(self._queue)
+        waited = dict.fromkeys(range(self.engines), 0.0)
+        total = dict.fromkeys(range(self.engines), 0.0)
+        previous: dict[int, float] = {}
+        for at, engine, running, waiting in samples:
+            held = at - previous.get(engine, at)
+            previous[engine] = at
+            waited[engine] = waited.get(engine, 0.0) + held * waiting
+            total[engine] = total.get(engine, 0.0) + held * (waiting + running)
+        return {engine: waited[engine] / total[engine] if total[engine] else 0.0 for engine in total}
+
+    def schedulers(self) -> dict[int, tuple[int, int, float]]:
+        """Per engine, its latest scheduler state: (running, waiting, KV-cache usage)."""
+        with self._lock:
+            return {engine: self._scheduler.get(engine, (0, 0, 0.0)) for engine in range(self.engines)}
+
+    def _snapshot(self) -> tuple[list[tuple[float, _Windowed]], float]:
+        """(fraction inside the window, entry) pairs, and the window's length."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            recent = list(self._recent)
+        # Before a whole window has passed, divide by the time actually observed.
+        window = min(self.window_seconds, max(now - self._started, 1e-9))
+        start = now - window
+        return [(overlap_fraction(e.end, e.duration, start, now), e) for e in recent], window
+
+    def length(self) -> float:
+        """The window's length now: `window_seconds`, or the time observed so far when shorter."""
+        return min(self.window_seconds, max(self._clock() - self._started, 1e-9))
+
+    def figures(self) -> tuple[dict[tuple[int, str], PhaseFigures], dict[int, DeviceFigures]]:
+        """Per (engine, phase) and per engine: the window's figures."""
+        entries, window = self._snapshot()
+        phases: dict[tuple[int, str], PhaseFigures] = {}
+        devices: dict[int, DeviceFigures] = {}
+        for engine in range(self.engines):
+            mine = [(fraction, e) for fraction, e in entries if e.engine == engine and fraction > 0.0]
+            for phase in PHASES:
+                carried = [(fraction, e.cost.shares[phase]) for fraction, e in mine if e.cost.shares[phase].tokens]
+                tokens = sum(fraction * share.tokens for fraction, share in carried)
+                flops = sum(fraction * share.flops for fraction, share in carried)
+                moved = sum(fraction * share.moved_bytes for fraction, share in carried)
+                weight = sum(fraction for fraction, _ in carried)
+                # The roofline's time for the work charged to the phase, step by step.
+                memory_times = [(fraction, share.moved_bytes / self._bandwidth) for fraction, share in carried]
+                compute_times = [(fraction, share.flops / self._flops) for fraction, share in carried]
+                phases[(engine, phase)] = PhaseFigures(
+                    tokens_per_second=tokens / window,
+                    # Bandwidth saturation = achieved bytes/s ÷ peak bytes/s (this phase's part).
+                    memory_bandwidth_utilization=moved / window / self._bandwidth if carried else None,
+                    # MFU = achieved FLOP/s ÷ peak FLOP/s (this phase's part).
+                    compute_utilization=flops / window / self._flops if carried else None,
+                    # Arithmetic intensity = FLOPs ÷ bytes moved.
+                    arithmetic_intensity=flops / moved if carried and moved else None,
+                    batch_size=(
+                        sum(fraction * share.requests for fraction, share in carried) / weight if weight else None
+                    ),
+                    busy_seconds=sum(fraction * share.seconds for fraction, share in carried),
+                    memory_seconds=sum(fraction * seconds for fraction, seconds in memory_times),
+                    compute_seconds=sum(fraction * seconds for fraction, seconds in compute_times),
+                    predicted_seconds=sum(
+                        fraction * max(memory, compute)
+                        for (fraction, memory), (_, compute) in zip(memory_times, compute_times, strict=True)
+                    ),
+                )
+            flops = sum(fraction * e.cost.flops for fraction, e in mine)
+            moved = sum(fraction * (e.cost.read_bytes + e.cost.written_bytes) for fraction, e in mine)
+            busy = sum(fraction * e.duration for fraction, e in mine)
+            devices[engine] = DeviceFigures(
+                memory_bandwidth_utilization=moved / window / self._bandwidth,
+                compute_utilization=flops / window / self._flops,
+                arithmetic_intensity=flops / moved if moved else None,
+                busy_ratio=min(1.0, busy / window),
+            )
+        return phases, devices
+
+    def agreement(self) -> dict[str, float]:
+        """Cost model ÷ engine estimate over the window, for FLOPs and bytes read (absent without engine estimates)."""
+        with self._lock:
+            self._expire(self._clock())
+            recent = [e for e in self._recent if e.step.flops is not None]
+        if not recent:
+            return {}
+        engine_flops = sum(e.step.flops or 0.0 for e in recent)
+        engine_bytes = sum(e.step.read_bytes or 0.0 for e in recent)
+        result: dict[str, float] = {}
+        if engine_flops:
+            result["flops"] = sum(e.cost.model_flops for e in recent) / engine_flops
+        if engine_bytes:
+            result["bytes"] = sum(e.cost.model_read_bytes for e in recent) / engine_bytes
+        return result
