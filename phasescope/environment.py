@@ -45,3 +45,20 @@ def env_xdg_cache_home() -> str | None:
 def env_cache_dir() -> str | None:
     """Where prepared models and hardware probes are cached (`PHASESCOPE_CACHE_DIR`)."""
     return os.environ.get("PHASESCOPE_CACHE_DIR")
+
+
+def env_otlp_traces_endpoint() -> str:
+    """OpenTelemetry's standard variables for where traces go (the traces one first); empty: none set."""
+    return os.environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "") or os.environ.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
+
+
+def env_otel_service_name() -> str:
+    return os.environ.get("OTEL_SERVICE_NAME", "")
+
+
+TCMALLOC_PRELOADED = "PHASESCOPE_TCMALLOC_PRELOADED"
+"""Set in the re-executed server's environment (to the preloaded library), so it never re-executes again."""
+
+
+def env_tcmalloc_preloaded() -> str:
+    return os.environ.get(TCMALLOC_PRELOADED, "")

