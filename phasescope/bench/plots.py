@@ -12,6 +12,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phasescope.telemetry.request.stages import ANSWERED
+
 Series = dict[tuple[str, str], list[dict[str, Any]]]
 
 
@@ -160,9 +162,9 @@ def plot(results: dict[str, Any], out: Path) -> list[Path]:
         figure, axes = plt.subplots(figsize=(7, 4.5), dpi=100)
         labels = [f"{r['load'][0]}={r['value']:.3g}" for r in rows]
         bottom = [0.0] * len(rows)
-        for phase in ("frontend", "queue", "prefill", "decode"):
-            values = [r.get(f"server_mean_{phase}_ms", 0.0) for r in rows]
-            axes.bar(labels, values, bottom=bottom, label=phase)
+        for stage in ANSWERED:
+            values = [r.get(f"server_mean_{stage.name}_ms", 0.0) for r in rows]
+            axes.bar(labels, values, bottom=bottom, label=stage.name)
             bottom = [b + v for b, v in zip(bottom, values, strict=True)]
         axes.set(xlabel="load (c = concurrency, r = requests/s)", ylabel="mean ms per request (server's timestamps)",
                  title="Phase breakdown (phasescope)")  # fmt: skip
