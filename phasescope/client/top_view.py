@@ -32,6 +32,7 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from phasescope.telemetry.request.stages import STAGES
 from phasescope.v1 import inference_pb2 as pb
 
 SPARKLINE_SPAN_SECONDS = 60.0
@@ -287,11 +288,13 @@ def _latency_line(latency: pb.LatencySnapshot) -> Text:
         # 0 when no request ended the phase in the window (a measured duration is never exactly 0).
         return duration(seconds) if seconds else "—"
 
-    return Text.assemble(
-        ("latency ", "bold"),
-        f"TTFT {ttft} · ITL {itl}\n        mean queue {mean(latency.queue_mean_seconds)}"
-        f" · prefill {mean(latency.prefill_mean_seconds)} · decode {mean(latency.decode_mean_seconds)}",
+    # The stages the snapshot carries a window mean for, in the table's order.
+    means = " · ".join(
+        f"{stage.name} {mean(getattr(latency, f'{stage.name}_mean_seconds'))}"
+        for stage in STAGES
+        if f"{stage.name}_mean_seconds" in latency.DESCRIPTOR.fields_by_name
     )
+    return Text.assemble(("latency ", "bold"), f"TTFT {ttft} · ITL {itl}\n        mean {means}")
 
 
 def _request_section(snapshot: pb.TelemetrySnapshot, options: ViewOptions, detail: Detail) -> list[RenderableType]:
