@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import statistics
 import struct
 import sys
@@ -35,7 +34,14 @@ from typing import Any
 import grpc
 
 from loadtests.transport_floor import Ticker
-from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, free_port, listening, stop_on_sigterm
+from phasescope.bench.harness import (
+    ManagedProcess,
+    PhasescopeProcess,
+    free_port,
+    listening,
+    stop_on_sigterm,
+    write_results,
+)
 
 METHOD = "/burst.Burst/Stream"
 MESSAGES = 64
@@ -123,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
     target.add_argument("--tiny-model", action="store_true", help="phasescope serving phasescope.bench.tiny_model")
     parser.add_argument("--burst", type=int, default=128, help="requests sent at once")
     parser.add_argument("--waves", type=int, default=3)
-    parser.add_argument("--output", type=Path, help="raw waits (seconds) as JSON")
+    parser.add_argument("--output", type=Path, help="raw waits (seconds) as JSON, gzipped if it ends in .gz")
     parser.add_argument("--server-log", type=Path, help="keep the server's log here (else it is deleted)")
     parser.add_argument("--serve-bare", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -158,7 +164,6 @@ def main(argv: list[str] | None = None) -> int:
             started = time.monotonic()
             results = asyncio.run(waves(address, wait, args.burst, args.waves))
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         body = {
             "target": "bare grpc.aio" if args.bare else "phasescope (tiny model)",
             "burst": args.burst,
@@ -166,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": time.monotonic() - started,
             "waits_seconds": results,
         }
-        args.output.write_text(json.dumps(body, indent=1) + "\n")
+        write_results(args.output, body)
     return 0
 
 

@@ -43,7 +43,7 @@ from typing import Any
 
 import psutil
 
-from phasescope.bench.harness import stop_on_sigterm
+from phasescope.bench.harness import stop_on_sigterm, write_results
 from phasescope.telemetry.hardware.probe import cpu_flags, cpu_name
 
 PROMPTS = (
@@ -313,7 +313,7 @@ def main(argv: list[str] | None = None) -> int:
     pre_parser.add_argument("--dtype", default="float32")
     for p in (cmp_parser, pre_parser):
         p.add_argument("--timeout", type=float, default=900.0, help="seconds per child before its group is killed")
-        p.add_argument("--output", type=Path, help="write the raw results here as JSON")
+        p.add_argument("--output", type=Path, help="write the raw results here as JSON, gzipped if it ends in .gz")
     child_parser = sub.add_parser("child", help=argparse.SUPPRESS)
     child_parser.add_argument("spec")
     args = parser.parse_args(argv)
@@ -325,8 +325,7 @@ def main(argv: list[str] | None = None) -> int:
     report = compare(args) if args.command == "compare" else preload(args)
     report["cpu"] = _cpu_flags()
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps(report, indent=1) + "\n")
+        write_results(args.output, report)
         print(f"raw results: {args.output}")
     return 0
 

@@ -10,14 +10,14 @@ on the same (measured) peaks and the served model's cost, is printed beside it.
 
 starts its own server (and stops it, engine processes included); with
 --address and --metrics-url it measures a running one instead. Raw results go
-to --output (JSON). Traffic goes to loopback only and every stream is bounded.
+to --output (JSON, gzipped if it ends in .gz). Traffic goes to loopback only
+and every stream is bounded.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import sys
 import threading
 import time
@@ -27,7 +27,7 @@ from typing import Any
 import grpc
 
 from phasescope.bench import EngineSettings, start_phasescope
-from phasescope.bench.harness import stop_on_sigterm, wait_engine_idle
+from phasescope.bench.harness import stop_on_sigterm, wait_engine_idle, write_results
 from phasescope.client.client import Client, build_request
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phasescope.telemetry.exposition import fetch_samples, sum_samples
@@ -146,10 +146,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dtype", default="", help="served dtype for the started server (default: auto)")
     parser.add_argument("--kv-cache-gib", type=float, default=2.0)
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--output", type=Path, default=Path("loadtests/results/decode_batch_sweep.json"))
+    parser.add_argument("--output", type=Path, default=Path("loadtests/results/decode_batch_sweep.json.gz"))
     parser.add_argument("--server-log", type=Path, default=Path("loadtests/results/decode_batch_sweep.server.log"))
     args = parser.parse_args(argv)
-    args.output.parent.mkdir(parents=True, exist_ok=True)
     args.server_log.parent.mkdir(parents=True, exist_ok=True)
     managed = None
     if args.address:
@@ -178,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if managed is not None:
             managed.stop()
-    args.output.write_text(json.dumps({"setup": setup, "rows": rows}, indent=2) + "\n")
+    write_results(args.output, {"setup": setup, "rows": rows}, indent=2)
     print(
         f"{setup['model']} {setup['dtype']} on {setup['device']}; peaks ({setup['peak_source']}): "
         f"{setup['peak_memory_bandwidth_bytes_per_second'] / 1e9:.1f} GB/s, {setup['peak_flops'] / 1e9:.1f} GFLOP/s"

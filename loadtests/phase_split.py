@@ -17,17 +17,19 @@ import argparse
 import asyncio
 import json
 import random
+import shlex
 import time
 from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from phasescope.bench.harness import stop_on_sigterm
+from phasescope.bench.harness import stop_on_sigterm, write_results
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phasescope.engine.request import SamplingSpec
 from phasescope.serve.config import Settings
 from phasescope.telemetry.model.cost import ModelCost
-from phasescope.telemetry.step.steps import StepForwarder, StepRecord, attribute_step
+from phasescope.telemetry.step.attribution import attribute_step
+from phasescope.telemetry.step.records import StepForwarder, StepRecord
 
 DECODERS = 4
 
@@ -100,7 +102,6 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
     # Peaks weigh only the split of a mixed step's time, which intensity does not use.
     bandwidth, flops = 15.31e9, 82.04e9
     return {
-        "command": f"python -m loadtests.phase_split --prompts {prompts} --prompt-tokens {prompt_tokens}",
         "decoders": DECODERS,
         "decode_only": decode_intensities(
             [s for t, s in recorded if started < t <= prompts_from], cost, bandwidth, flops
@@ -117,13 +118,18 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=250)
     parser.add_argument("--decode-seconds", type=float, default=4.0)
-    parser.add_argument("--json", type=Path, help="also write the results here")
+    parser.add_argument("--json", type=Path, help="also write the results here (gzipped if it ends in .gz)")
     args = parser.parse_args()
-    result = asyncio.run(measure(args.prompts, args.prompt_tokens, args.decode_seconds))
-    text = json.dumps(result, indent=2)
-    print(text)
+    # The command that repeats this run: every setting (defaults too) and where the results went.
+    command = ["python", "-m", "loadtests.phase_split", "--prompts", str(args.prompts),
+               "--prompt-tokens", str(args.prompt_tokens), "--decode-seconds", f"{args.decode_seconds:g}"]  # fmt: skip
     if args.json:
-        args.json.write_text(text + "\n")
+        command += ["--json", str(args.json)]
+    measured = asyncio.run(measure(args.prompts, args.prompt_tokens, args.decode_seconds))
+    result = {"command": shlex.join(command), **measured}
+    print(json.dumps(result, indent=2))
+    if args.json:
+        write_results(args.json, result, indent=2)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import json
 import shlex
 import statistics
 import sys
@@ -30,7 +29,7 @@ from typing import Any
 
 import psutil
 
-from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm, write_results
 from phasescope.bench.loop import run_point
 from phasescope.bench.summary import summarize
 from phasescope.bench.targets import PhasescopeTarget
@@ -118,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prompt-tokens", default="uniform:20:60")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--output", type=Path, help="raw rounds as JSON")
+    parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)
 
     engine = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "2",
@@ -150,10 +149,9 @@ def main(argv: list[str] | None = None) -> int:
         a, b = medians["a"][figure], medians["b"][figure]
         print(f"{figure:>38}: A {a:10.4f}  B {b:10.4f}  B ÷ A {b / a if a else float('nan'):.3f}")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         raw = {"command": " ".join(sys.argv), "arguments": vars(args) | {"output": str(args.output)},
                "rounds": rounds, "medians": medians}  # fmt: skip
-        args.output.write_text(json.dumps(raw, indent=2))
+        write_results(args.output, raw, indent=2)
     return 0
 
 

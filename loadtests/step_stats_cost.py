@@ -18,7 +18,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import json
 import shutil
 import statistics
 import sys
@@ -28,7 +27,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from phasescope.bench.harness import stop_on_sigterm
+from phasescope.bench.harness import stop_on_sigterm, write_results
 from phasescope.bench.tiny_model import build_tiny_model
 
 
@@ -78,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="rounds per setting (alternating)")
     parser.add_argument("--concurrency", type=int, default=32)
     parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--output", type=Path, help="raw rounds as JSON")
+    parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)
     folder = build_tiny_model(Path(tempfile.mkdtemp(prefix="tiny-llama-")))
     rounds = []
@@ -102,10 +101,9 @@ def main(argv: list[str] | None = None) -> int:
     cpu_off = statistics.median(float(r["cpu_seconds_per_1k_tokens"]) for r in rounds if not r["accounting"])
     print(f"median front-end CPU s/1k tokens: on {cpu_on:.4f}, off {cpu_off:.4f}: on ÷ off = {cpu_on / cpu_off:.3f}")
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
         summary = {"on": on, "off": off, "ratio": on / off, "cpu_on": cpu_on, "cpu_off": cpu_off}
-        args.output.write_text(json.dumps({"arguments": vars(args) | {"output": str(args.output)},
-                                           "rounds": rounds, "summary": summary}, indent=2))  # fmt: skip
+        write_results(args.output, {"arguments": vars(args) | {"output": str(args.output)},
+                                    "rounds": rounds, "summary": summary}, indent=2)  # fmt: skip
     return 0
 
 

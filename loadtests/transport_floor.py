@@ -14,7 +14,8 @@ on loopback, with the same step rate, stream counts and duration.
     .venv/bin/python -m loadtests.transport_floor --streams 1,4,16 --rate 15 --seconds 10
 
 prints CPU ms per second and µs per message for each transport and point,
-and grpc.aio ÷ SSE; the raw figures go to --output (JSON).
+and grpc.aio ÷ SSE; the raw figures go to --output (JSON, gzipped if it ends in .gz), each
+server's log beside it (`NAME.<transport>.log` for `NAME.json.gz`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,6 @@ import argparse
 import asyncio
 import concurrent.futures
 import http.client
-import json
 import sys
 import threading
 import time
@@ -34,7 +34,7 @@ from typing import Any
 import grpc
 import psutil
 
-from phasescope.bench.harness import ManagedProcess, free_port, listening, stop_on_sigterm
+from phasescope.bench.harness import ManagedProcess, free_port, listening, stop_on_sigterm, write_results
 
 TRANSPORTS = ("grpc.aio", "grpc.sync", "sse")
 PAYLOAD = b'{"text": " token", "token_ids": [1234]}'
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--transports", default="grpc.aio,sse", help="servers to measure, in order: grpc.aio, grpc.sync, sse"
     )
-    parser.add_argument("--output", type=Path, default=Path("loadtests/results/transport_floor.json"))
+    parser.add_argument("--output", type=Path, default=Path("loadtests/results/transport_floor.json.gz"))
     parser.add_argument("--serve", choices=TRANSPORTS, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -215,11 +215,13 @@ def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()  # the servers it starts are stopped on SIGTERM too
     points = [int(value) for value in args.streams.split(",")]
     args.output.parent.mkdir(parents=True, exist_ok=True)
+    # x.json.gz and x.json both log to x.<transport>.log: with_suffix alone would keep the .json of x.json.gz.
+    logs = args.output.with_suffix("") if args.output.suffix == ".gz" else args.output
     results = []
     print(f"{'transport':<9} {'streams':>7} {'msgs/s':>8} {'CPU ms/s':>9} {'µs/msg':>8}")
     for streams in points:
         for transport in transports:
-            row = measure(transport, streams, args.rate, args.seconds, args.output.with_suffix(f".{transport}.log"))
+            row = measure(transport, streams, args.rate, args.seconds, logs.with_suffix(f".{transport}.log"))
             results.append(row)
             print(
                 f"{transport:<9} {streams:>7} {row['messages'] / row['seconds']:>8.1f} "
@@ -231,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"\n{other} ÷ SSE, server CPU at the same point:")
             for streams in points:
                 print(f"  {streams:>3} streams: {cpu[other, streams] / cpu['sse', streams]:.2f}")
-    args.output.write_text(json.dumps({"rate": args.rate, "points": results}, indent=2) + "\n")
+    write_results(args.output, {"rate": args.rate, "points": results}, indent=2)
     print(f"\nraw results: {args.output}")
     return 0
 

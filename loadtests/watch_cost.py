@@ -16,7 +16,6 @@ server CPU per token; the raw rounds go to --output (JSON). Loopback only, bound
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import tempfile
@@ -28,7 +27,7 @@ from typing import Any
 
 import psutil
 
-from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm
+from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm, write_results
 from phasescope.client.client import Client, build_request
 from phasescope.v1 import inference_pb2 as pb
 
@@ -90,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=6, help="rounds per arm (alternating)")
     parser.add_argument("--concurrency", type=int, default=8)
     parser.add_argument("--max-tokens", type=int, default=64)
-    parser.add_argument("--output", type=Path, help="raw rounds as JSON")
+    parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)
     log = Path(tempfile.mkdtemp(prefix="watch-cost-")) / "server.log"
     server = PhasescopeProcess(["--enforce-eager"], log)
@@ -140,9 +139,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{summary['server_cpu_per_token_ratio']:.3f}"
     )
     if args.output:
-        args.output.parent.mkdir(parents=True, exist_ok=True)
-        args.output.write_text(json.dumps({"arguments": vars(args) | {"output": str(args.output)}, "rounds": rounds,
-                                           "summary": summary}, indent=2))  # fmt: skip
+        write_results(args.output, {"arguments": vars(args) | {"output": str(args.output)}, "rounds": rounds,
+                                    "summary": summary}, indent=2)  # fmt: skip
     return 0
 
 

@@ -4,11 +4,14 @@ A managed process runs in its own process group with its output in a log file;
 stopping it ends the whole group, so a `phasescope serve` takes its engine-core
 processes with it. A start that fails (the process exits, or is not ready in
 time) stops the group before the error is raised: nothing outlives it.
+`write_results` writes what a run measured the way docs/data keeps it.
 """
 
 from __future__ import annotations
 
 import contextlib
+import gzip
+import json
 import os
 import signal
 import socket
@@ -23,6 +26,18 @@ import grpc
 
 from phasescope.client.client import Client
 from phasescope.telemetry.exposition import Samples, fetch_samples, sum_samples
+
+
+def write_results(path: Path, data: object, *, indent: int | None = 1) -> None:
+    """`data` as JSON in `path`, its folders made; gzip-compressed when the name ends in `.gz`.
+
+    Compressed as `gzip -9 -n` does (docs/data/README.md): no file name and time 0 in the header, so the
+    same data makes the same bytes and a committed result only changes when its data does.
+    """
+    path.parent.mkdir(parents=True, exist_ok=True)
+    text = (json.dumps(data, indent=indent) + "\n").encode()
+    # gzip.compress writes no file name, and the same header as `gzip -9 -n` (GzipFile marks the OS unknown).
+    path.write_bytes(gzip.compress(text, compresslevel=9, mtime=0) if path.suffix == ".gz" else text)
 
 
 class StartError(RuntimeError):

@@ -12,9 +12,7 @@ import argparse
 import asyncio
 import contextlib
 import datetime
-import gzip
 import importlib.metadata
-import json
 import os
 import platform
 import sys
@@ -22,7 +20,7 @@ from dataclasses import asdict
 from typing import Any
 
 from phasescope.bench.config import BenchConfig, ConfigError, from_args
-from phasescope.bench.harness import StartError, stop_on_sigterm
+from phasescope.bench.harness import StartError, stop_on_sigterm, write_results
 from phasescope.bench.launch import EngineSettings, default_settings, start_in_process, start_openai, start_phasescope
 from phasescope.bench.loop import Bench
 from phasescope.bench.plots import plot
@@ -135,8 +133,7 @@ def main(args: argparse.Namespace) -> int:
               file=sys.stderr)  # fmt: skip
         return 130
     path = config.output_dir / RESULTS_FILE
-    # mtime 0: the same results make the same bytes (gzip's header would carry the time of writing).
-    path.write_bytes(gzip.compress((json.dumps(results, indent=1) + "\n").encode(), mtime=0))
+    write_results(path, results)
     plots = plot(results, config.output_dir)
     report = write_report(results, plots, config.output_dir)
     print_tables(results)

@@ -1,3 +1,5 @@
+import gzip
+import json
 import os
 import sys
 import time
@@ -6,7 +8,7 @@ from pathlib import Path
 import psutil
 import pytest
 
-from phasescope.bench.harness import ManagedProcess, StartError, free_port, health_status
+from phasescope.bench.harness import ManagedProcess, StartError, free_port, health_status, write_results
 
 # A parent that starts a child in its own process group, prints the child's pid, and sleeps.
 PARENT_WITH_CHILD = (
@@ -92,3 +94,30 @@ def test_a_ready_check_that_raises_counts_as_not_ready(tmp_path: Path) -> None:
 
 def test_health_of_a_port_where_nothing_listens_is_unreachable() -> None:
     assert health_status(f"127.0.0.1:{free_port()}") == "UNREACHABLE"
+
+
+RESULTS = {"points": [{"value": 4, "ttft_ms": [1.5, 2.25]}], "command": "phasescope bench", "note": "µs"}
+
+
+def test_results_named_gz_are_gzip_with_no_name_or_time_and_read_back_equal(tmp_path: Path) -> None:
+    path = tmp_path / "study" / "day" / "results.json.gz"  # folders that do not exist yet
+    write_results(path, RESULTS)
+    raw = path.read_bytes()
+    assert raw[:3] == b"\x1f\x8b\x08"  # gzip, deflate
+    assert not raw[3] & 0x08, "a file name in the header"
+    assert raw[4:8] == bytes(4), "a time in the header"
+    assert json.loads(gzip.decompress(raw)) == RESULTS
+
+
+def test_the_same_results_make_the_same_bytes_whatever_the_file_is_called(tmp_path: Path) -> None:
+    write_results(tmp_path / "first.json.gz", RESULTS)
+    write_results(tmp_path / "second.json.gz", RESULTS)
+    assert (tmp_path / "first.json.gz").read_bytes() == (tmp_path / "second.json.gz").read_bytes()
+
+
+def test_results_named_json_are_plain_json(tmp_path: Path) -> None:
+    path = tmp_path / "new" / "results.json"
+    write_results(path, RESULTS, indent=2)
+    text = path.read_text(encoding="utf-8")
+    assert json.loads(text) == RESULTS
+    assert text == json.dumps(RESULTS, indent=2) + "\n"
