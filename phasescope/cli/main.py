@@ -1,4 +1,4 @@
-"""`phasescope`: serve, generate, tokenize, info, prepare-model."""
+"""`phasescope`: serve a model, talk to a server (generate, tokenize, info, top), and measure (roofline, bench, hardware)."""
 
 from __future__ import annotations
 

@@ -124,19 +124,25 @@ async def test_each_record_is_emitted_once_in_order() -> None:
     assert recorder.first_tokens[0].prefill_tokens_computed == 3
 
 
+async def cancel(requests: RequestPath, *, deadline_passed: bool, steps: int) -> None:
+    """A stream handed to the engine, cancelled after `steps` steps (before any chunk was written)."""
+
+    async def cancelled() -> None:
+        async with requests.begin(True, lambda: deadline_passed) as request, request.admitted(""):
+            hand(request)
+            for tokens in range(1, steps + 1):
+                request.took(step(tokens))
+            raise asyncio.CancelledError
+
+    with pytest.raises(asyncio.CancelledError):
+        await cancelled()
+
+
 @run
 async def test_a_first_token_whose_chunk_never_reached_the_client_is_still_reported_once() -> None:
     recorder = Recorder()
     requests = path(recorder)
-
-    async def cancelled_while_writing_its_first_chunk() -> None:
-        async with requests.begin(True, lambda: False) as request, request.admitted(""):
-            hand(request)
-            request.took(step(1))
-            raise asyncio.CancelledError
-
-    with pytest.raises(asyncio.CancelledError):
-        await cancelled_while_writing_its_first_chunk()
+    await cancel(requests, deadline_passed=False, steps=1)  # cancelled while its first chunk was written
     assert recorder.calls == ["started", "first_token", "finished"]
     assert recorder.first_tokens[0].timings.client_time_to_first_token_seconds is None
     assert (recorder.records[0].code, recorder.records[0].finish_reason) == ("CANCELLED", "abort")
@@ -146,15 +152,7 @@ async def test_a_first_token_whose_chunk_never_reached_the_client_is_still_repor
 @run
 async def test_a_cancellation_at_the_deadline_is_recorded_as_the_deadline() -> None:
     recorder = Recorder()
-    requests = path(recorder)
-
-    async def cancelled_at_its_deadline() -> None:
-        async with requests.begin(True, lambda: True) as request, request.admitted(""):
-            hand(request)
-            raise asyncio.CancelledError
-
-    with pytest.raises(asyncio.CancelledError):
-        await cancelled_at_its_deadline()
+    await cancel(path(recorder), deadline_passed=True, steps=0)
     assert recorder.records[0].code == "DEADLINE_EXCEEDED"
     assert not recorder.records[0].produced_first_token
 
