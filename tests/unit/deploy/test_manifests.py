@@ -278,3 +278,18 @@ def test_autoscaling_queries_parse_as_promql(tmp_path: Path) -> None:
     path.write_text(yaml.safe_dump(rules))
     result = run(tool("promtool"), "check", "rules", str(path))
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.parametrize("dockerfile", sorted((DEPLOY / "docker").glob("Dockerfile.*")), ids=lambda path: path.name)
+def test_every_path_a_dockerfile_copies_exists_and_the_package_is_among_them(dockerfile: Path) -> None:
+    # Guards the image build against a tree that moved (the package once lived in server/ and telemetry/).
+    copied = [
+        source
+        for line in dockerfile.read_text().splitlines()
+        if line.startswith("COPY ")
+        for source in line.split()[1:-1]
+        if not source.startswith("--")
+    ]
+    assert "phasescope" in copied
+    missing = [source for source in copied if not (ROOT / source).exists()]
+    assert not missing, f"{dockerfile.name} copies paths that are not in the tree: {missing}"
