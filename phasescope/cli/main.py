@@ -1,4 +1,4 @@
-"""`phasescope`: serve a model, talk to a server (generate, tokenize, info, top), and measure (roofline, bench, hardware)."""
+"""`phasescope`: serve a model, talk to a server (generate, tokenize, info, top), measure (roofline, bench)."""
 
 from __future__ import annotations
 

@@ -88,16 +88,6 @@ def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb
     return chunk
 
 
-# gRPC's deadline timer and the handler's reading of the remaining time disagree by a
-# little: a cancellation this close to the deadline is the deadline.
-_DEADLINE_SLACK_SECONDS = 0.05
-
-
-def _deadline_passed(context: ServicerContext) -> bool:
-    remaining = context.time_remaining()
-    return remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS
-
-
 async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
     """Token ids for the input; text is tokenised on a worker thread (vLLM's tokenizer is a
     thread-safe pool), so a long prompt does not stall every other stream on the event loop."""
@@ -142,7 +132,7 @@ class InferenceServicer:
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         """The one request path behind Generate and GenerateStream."""
         path = self._path
-        async with path.begin(streaming, lambda: _deadline_passed(context)) as lifecycle:
+        async with path.begin(streaming, context) as lifecycle:
             engine = path.ready_engine()
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)

@@ -3,7 +3,7 @@
 A protocol handler parses its request into the engine's request model
 (`phasescope.engine.request`), then runs it through the same hallway:
 
-    async with path.begin(streaming, deadline_passed) as request:
+    async with path.begin(streaming, context) as request:
         engine = path.ready_engine()
         ...parse...
         async with request.admitted(path.caller(context)):
@@ -23,12 +23,13 @@ is `time.monotonic()`, the clock the engine stamps with (`phasescope.telemetry.r
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import replace
 from types import TracebackType
-from typing import Any
+from typing import Any, Protocol
 
 import grpc
 
@@ -52,6 +53,20 @@ from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 ServicerContext = grpc.aio.ServicerContext[Any, Any]
 # The client ended the request: it went away, or its deadline passed.
 _CLIENT_ENDED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
+# gRPC's deadline timer and the handler's reading of the remaining time disagree by a
+# little: a cancellation this close to the deadline is the deadline.
+_DEADLINE_SLACK_SECONDS = 0.05
+
+
+class Deadlined(Protocol):
+    """What the lifecycle reads of an RPC's context (grpc.aio's has it, whichever service)."""
+
+    def time_remaining(self) -> float | None: ...
+
+
+def _deadline_passed(context: Deadlined) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS
 
 
 class RequestPath:
@@ -114,10 +129,10 @@ class RequestPath:
             self.count_refusal(exc)
             raise
 
-    def begin(self, streaming: bool, deadline_passed: Callable[[], bool]) -> RequestLifecycle:
-        """A request entering its handler now. `deadline_passed` tells a cancellation by the
+    def begin(self, streaming: bool, context: Deadlined) -> RequestLifecycle:
+        """A request entering its handler now, on the RPC whose `context` tells a cancellation by the
         client from one by its deadline (gRPC cancels the handler either way)."""
-        return RequestLifecycle(self, streaming, deadline_passed)
+        return RequestLifecycle(self, streaming, functools.partial(_deadline_passed, context))
 
 
 class RequestLifecycle:

@@ -44,6 +44,16 @@ class Recorder:
         self.rejected.append(reason)
 
 
+class Deadline:
+    """The part of a gRPC servicer context the lifecycle reads: the time left before the deadline."""
+
+    def __init__(self, passed: bool = False) -> None:
+        self.passed = passed
+
+    def time_remaining(self) -> float | None:
+        return 0.0 if self.passed else None
+
+
 def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
     def test() -> None:
         asyncio.run(scenario())
@@ -83,7 +93,7 @@ async def test_a_refusal_before_the_hand_off_is_counted_once_and_is_no_request()
     recorder = Recorder()
     requests = path(recorder)
     with pytest.raises(InvalidRequestError):
-        async with requests.begin(True, lambda: False):
+        async with requests.begin(True, Deadline()):
             raise InvalidRequestError("sampling.top_p", "must be in (0, 1], got 1.5")
     assert recorder.rejected == ["invalid_argument"]
     assert recorder.calls == []
@@ -93,9 +103,9 @@ async def test_a_refusal_before_the_hand_off_is_counted_once_and_is_no_request()
 async def test_a_full_server_refuses_at_the_permit_and_counts_it_overloaded() -> None:
     recorder = Recorder()
     requests = path(recorder, capacity=1)
-    async with requests.begin(True, lambda: False) as first, first.admitted(""):
+    async with requests.begin(True, Deadline()) as first, first.admitted(""):
         with pytest.raises(OverloadedError):
-            async with requests.begin(True, lambda: False) as second, second.admitted(""):
+            async with requests.begin(True, Deadline()) as second, second.admitted(""):
                 pass
         assert requests.in_flight == {first}
     assert recorder.rejected == ["overloaded"]
@@ -107,7 +117,7 @@ async def test_a_full_server_refuses_at_the_permit_and_counts_it_overloaded() ->
 async def test_each_record_is_emitted_once_in_order() -> None:
     recorder = Recorder()
     requests = path(recorder)
-    async with requests.begin(True, lambda: False) as request, request.admitted(""):
+    async with requests.begin(True, Deadline()) as request, request.admitted(""):
         hand(request)
         for tokens in (1, 2):
             request.took(step(tokens))
@@ -128,7 +138,7 @@ async def cancel(requests: RequestPath, *, deadline_passed: bool, steps: int) ->
     """A stream handed to the engine, cancelled after `steps` steps (before any chunk was written)."""
 
     async def cancelled() -> None:
-        async with requests.begin(True, lambda: deadline_passed) as request, request.admitted(""):
+        async with requests.begin(True, Deadline(passed=deadline_passed)) as request, request.admitted(""):
             hand(request)
             for tokens in range(1, steps + 1):
                 request.took(step(tokens))
@@ -161,7 +171,7 @@ async def test_a_cancellation_at_the_deadline_is_recorded_as_the_deadline() -> N
 async def test_a_unary_answer_reaches_its_client_with_the_last_chunk_not_the_first() -> None:
     recorder = Recorder()
     requests = path(recorder)
-    async with requests.begin(False, lambda: False) as request, request.admitted(""):
+    async with requests.begin(False, Deadline()) as request, request.admitted(""):
         hand(request)
         request.took(step(1))
         request.chunk_written()
@@ -180,7 +190,7 @@ async def test_text_is_kept_only_when_capture_is_on() -> None:
     for capture in (False, True):
         recorder = Recorder()
         requests = RequestPath(recorder, Admission(1, 0), "tiny", capture_text=capture)
-        async with requests.begin(True, lambda: False) as request, request.admitted(""):
+        async with requests.begin(True, Deadline()) as request, request.admitted(""):
             request.handed_to_engine(5, "id", RequestParameters(), "the prompt" if capture else "")
             request.took(step(1, finished=True))
         text = recorder.records[0].text
