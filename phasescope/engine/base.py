@@ -49,6 +49,21 @@ class ModelDescription:
     pipeline_parallel_size: int
     cost: ModelCost
     on_cpu: bool
+    model_type: str = ""
+    """The checkpoint's `model_type` (e.g. "llama")."""
+    architectures: tuple[str, ...] = ()
+    eos_token_ids: tuple[int, ...] = ()
+    """The end-of-sequence ids the model's config declares."""
+    bos_token_id: int | None = None
+    pad_token_id: int | None = None
+    sampling_defaults: tuple[tuple[str, float], ...] = ()
+    """The generation config's sampling defaults the engine applies when a request sets none."""
+    max_num_seqs: int = 0
+    """The engine's running batch (requests it runs at once)."""
+    kv_cache_capacity_tokens: int = 0
+    """Tokens the KV cache holds, per engine: its blocks × tokens per block (0 when unknown)."""
+    kv_cache_block_size: int = 0
+    kv_cache_dtype: str = "auto"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,6 +82,8 @@ class EngineStep:
     """The engine's timestamps as of this step; None when the engine keeps no stats."""
     engine_index: int = 0
     """The engine core serving the request (data parallelism), whose steps its decode shares."""
+    stop_reason: int | str | None = None
+    """On a "stop" finish: the stop token id or stop string that ended it (None: end of sequence)."""
 
 
 class Engine(Protocol):
@@ -91,6 +108,9 @@ class Engine(Protocol):
         Sampling the engine refuses raises InvalidRequestError from this call, before
         the request reaches the engine.
         """
+
+    async def reset_prefix_cache(self) -> bool:
+        """Drop the prefix cache's reusable blocks (requests in flight keep theirs); False when refused."""
 
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""

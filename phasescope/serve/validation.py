@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from google.protobuf.message import Message
 
@@ -186,10 +187,105 @@ def check_prompt_length(prompt_tokens: int, limits: ModelLimits, field: str) -> 
         )
 
 
-def _finite(value: float, field: str) -> float:
-    if not math.isfinite(value):
-        raise InvalidRequestError(field, f"must be a finite number, got {value}")
-    return value
+@dataclass(frozen=True, slots=True)
+class SamplingAsk:
+    """Sampling values as a request asked for them, whichever protocol: None is "not asked" (the
+    model's default); `check_sampling` validates them."""
+
+    max_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    stop: Sequence[str] = ()
+    stop_token_ids: Sequence[int] = ()
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    ignore_eos: bool = False
+
+
+def check_sampling(
+    ask: SamplingAsk,
+    prefix: str,
+    prompt_tokens: int,
+    limits: ModelLimits,
+    *,
+    detokenize: bool = True,
+    stream_interval: int | None = None,
+) -> SamplingSpec:
+    """Validate sampling values against the prompt's length and the model's limits; each error names
+    the field as the request's protocol spells it (`prefix` + the field's name)."""
+    room = limits.max_model_len - prompt_tokens
+    max_tokens = room
+    if ask.max_tokens is not None:
+        max_tokens = ask.max_tokens
+        if max_tokens < 1:
+            raise InvalidRequestError(f"{prefix}max_tokens", "must be at least 1")
+        if max_tokens > room:
+            raise InvalidRequestError(
+                f"{prefix}max_tokens",
+                f"{max_tokens} output tokens plus {prompt_tokens} prompt tokens exceed the context "
+                f"window of {limits.max_model_len} tokens (at most {room} fit)",
+            )
+
+    def finite(name: str, value: float | None) -> float | None:
+        if value is not None and not math.isfinite(value):
+            raise InvalidRequestError(f"{prefix}{name}", f"must be a finite number, got {value}")
+        return value
+
+    def refuse(name: str, message: str) -> None:
+        raise InvalidRequestError(f"{prefix}{name}", message)
+
+    temperature = finite("temperature", ask.temperature)
+    if temperature is not None and temperature < 0:
+        refuse("temperature", f"must be 0 (greedy) or more, got {temperature}")
+    top_p = finite("top_p", ask.top_p)
+    if top_p is not None and not 0 < top_p <= 1:
+        refuse("top_p", f"must be in (0, 1], got {top_p}")
+    if ask.top_k is not None and ask.top_k < -1:
+        refuse("top_k", f"must be -1 or 0 (disabled) or positive, got {ask.top_k}")
+    min_p = finite("min_p", ask.min_p)
+    if min_p is not None and not 0 <= min_p <= 1:
+        refuse("min_p", f"must be in [0, 1], got {min_p}")
+    presence = finite("presence_penalty", ask.presence_penalty)
+    if presence is not None and not -2 <= presence <= 2:
+        refuse("presence_penalty", f"must be in [-2, 2], got {presence}")
+    frequency = finite("frequency_penalty", ask.frequency_penalty)
+    if frequency is not None and not -2 <= frequency <= 2:
+        refuse("frequency_penalty", f"must be in [-2, 2], got {frequency}")
+    repetition = finite("repetition_penalty", ask.repetition_penalty)
+    if repetition is not None and repetition <= 0:
+        refuse("repetition_penalty", f"must be greater than 0, got {repetition}")
+
+    if len(ask.stop) > MAX_STOP_STRINGS:
+        refuse("stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(ask.stop)}")
+    for index, stop in enumerate(ask.stop):
+        if not stop:
+            refuse(f"stop[{index}]", "must not be empty")
+        if len(stop) > MAX_STOP_STRING_CHARS:
+            refuse(f"stop[{index}]", f"longer than {MAX_STOP_STRING_CHARS} characters")
+    if len(ask.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+        refuse("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
+    check_token_ids(ask.stop_token_ids, f"{prefix}stop_token_ids", limits)
+
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        top_p=top_p,
+        top_k=ask.top_k,
+        min_p=min_p,
+        seed=ask.seed,
+        stop=tuple(ask.stop),
+        stop_token_ids=tuple(ask.stop_token_ids),
+        presence_penalty=presence,
+        frequency_penalty=frequency,
+        repetition_penalty=repetition,
+        ignore_eos=ask.ignore_eos,
+        detokenize=detokenize,
+        stream_interval=stream_interval,
+    )
 
 
 def build_sampling(
@@ -200,83 +296,35 @@ def build_sampling(
     token_ids_only: bool = False,
     stream_interval: int = 0,
 ) -> SamplingSpec:
-    """Validate the sampling message against the prompt's length and the model's limits
-    (`token_ids_only`: the request's GenerateRequest.token_ids_only)."""
-    room = limits.max_model_len - prompt_tokens
-    if sampling.HasField("max_tokens"):
-        max_tokens = sampling.max_tokens
-        if max_tokens < 1:
-            raise InvalidRequestError("sampling.max_tokens", "must be at least 1")
-        if max_tokens > room:
-            raise InvalidRequestError(
-                "sampling.max_tokens",
-                f"{max_tokens} output tokens plus {prompt_tokens} prompt tokens exceed the context "
-                f"window of {limits.max_model_len} tokens (at most {room} fit)",
-            )
-    else:
-        max_tokens = room
+    """phasescope.v1's sampling message, validated (`token_ids_only`: the request's
+    GenerateRequest.token_ids_only); every field is proto3 `optional`, unset = the model's default."""
 
-    temperature = top_p = min_p = presence = frequency = repetition = None
-    if sampling.HasField("temperature"):
-        temperature = _finite(sampling.temperature, "sampling.temperature")
-        if temperature < 0:
-            raise InvalidRequestError("sampling.temperature", f"must be 0 (greedy) or more, got {temperature}")
-    if sampling.HasField("top_p"):
-        top_p = _finite(sampling.top_p, "sampling.top_p")
-        if not 0 < top_p <= 1:
-            raise InvalidRequestError("sampling.top_p", f"must be in (0, 1], got {top_p}")
-    top_k: int | None = None
-    if sampling.HasField("top_k"):
-        top_k = sampling.top_k
-        if top_k < -1:
-            raise InvalidRequestError("sampling.top_k", f"must be -1 or 0 (disabled) or positive, got {top_k}")
-    if sampling.HasField("min_p"):
-        min_p = _finite(sampling.min_p, "sampling.min_p")
-        if not 0 <= min_p <= 1:
-            raise InvalidRequestError("sampling.min_p", f"must be in [0, 1], got {min_p}")
-    if sampling.HasField("presence_penalty"):
-        presence = _finite(sampling.presence_penalty, "sampling.presence_penalty")
-        if not -2 <= presence <= 2:
-            raise InvalidRequestError("sampling.presence_penalty", f"must be in [-2, 2], got {presence}")
-    if sampling.HasField("frequency_penalty"):
-        frequency = _finite(sampling.frequency_penalty, "sampling.frequency_penalty")
-        if not -2 <= frequency <= 2:
-            raise InvalidRequestError("sampling.frequency_penalty", f"must be in [-2, 2], got {frequency}")
-    if sampling.HasField("repetition_penalty"):
-        repetition = _finite(sampling.repetition_penalty, "sampling.repetition_penalty")
-        if repetition <= 0:
-            raise InvalidRequestError("sampling.repetition_penalty", f"must be greater than 0, got {repetition}")
-
-    if len(sampling.stop) > MAX_STOP_STRINGS:
-        raise InvalidRequestError("sampling.stop", f"at most {MAX_STOP_STRINGS} stop strings, got {len(sampling.stop)}")
-    for index, stop in enumerate(sampling.stop):
-        if not stop:
-            raise InvalidRequestError(f"sampling.stop[{index}]", "must not be empty")
-        if len(stop) > MAX_STOP_STRING_CHARS:
-            raise InvalidRequestError(f"sampling.stop[{index}]", f"longer than {MAX_STOP_STRING_CHARS} characters")
-    if len(sampling.stop_token_ids) > MAX_STOP_TOKEN_IDS:
-        raise InvalidRequestError("sampling.stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
-    check_token_ids(sampling.stop_token_ids, "sampling.stop_token_ids", limits)
     if token_ids_only and sampling.stop:
         raise InvalidRequestError(
             "token_ids_only",
             "stop strings are matched against text, which token_ids_only skips: drop sampling.stop "
             "or use sampling.stop_token_ids",
         )
-
-    return SamplingSpec(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        top_p=top_p,
-        top_k=top_k,
-        min_p=min_p,
-        seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=tuple(sampling.stop),
-        stop_token_ids=tuple(sampling.stop_token_ids),
-        presence_penalty=presence,
-        frequency_penalty=frequency,
-        repetition_penalty=repetition,
+    has = sampling.HasField
+    ask = SamplingAsk(
+        max_tokens=sampling.max_tokens if has("max_tokens") else None,
+        temperature=sampling.temperature if has("temperature") else None,
+        top_p=sampling.top_p if has("top_p") else None,
+        top_k=sampling.top_k if has("top_k") else None,
+        min_p=sampling.min_p if has("min_p") else None,
+        seed=sampling.seed if has("seed") else None,
+        stop=sampling.stop,
+        stop_token_ids=sampling.stop_token_ids,
+        presence_penalty=sampling.presence_penalty if has("presence_penalty") else None,
+        frequency_penalty=sampling.frequency_penalty if has("frequency_penalty") else None,
+        repetition_penalty=sampling.repetition_penalty if has("repetition_penalty") else None,
         ignore_eos=sampling.ignore_eos,
+    )
+    return check_sampling(
+        ask,
+        "sampling.",
+        prompt_tokens,
+        limits,
         detokenize=not token_ids_only,
         stream_interval=stream_interval or None,
     )

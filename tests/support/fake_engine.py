@@ -40,6 +40,8 @@ class Script:
     failure: BaseException = field(default_factory=lambda: RuntimeError("scripted failure"))
     hang_after: int | None = None
     """After this many steps, wait until the request is cancelled."""
+    stop_reason: int | str | None = None
+    """What the last step says ended it (a stop token id or string)."""
     cached_prompt_tokens: int = 0
 
 
@@ -77,7 +79,16 @@ class ScriptedEngine:
             pipeline_parallel_size=1,
             cost=cost,
             on_cpu=True,
+            model_type="llama",
+            architectures=("LlamaForCausalLM",),
+            eos_token_ids=(2,),
+            bos_token_id=1,
+            sampling_defaults=(("temperature", 0.6),),
+            max_num_seqs=4,
+            kv_cache_capacity_tokens=4096,
+            kv_cache_block_size=16,
         )
+        self.prefix_cache_resets = 0
 
     @property
     def description(self) -> ModelDescription:
@@ -130,11 +141,16 @@ class ScriptedEngine:
                     completion_tokens=index + 1,
                     cached_prompt_tokens=script.cached_prompt_tokens,
                     stamps=EngineTimestamps(queued, scheduled, first, now),
+                    stop_reason=script.stop_reason if last else None,
                 )
         except (GeneratorExit, asyncio.CancelledError):
             self.aborted.append(request_id)
             raise
         self.finished.append(request_id)
+
+    async def reset_prefix_cache(self) -> bool:
+        self.prefix_cache_resets += 1
+        return True
 
     async def warm_up(self) -> None:
         self.warmed_up = True

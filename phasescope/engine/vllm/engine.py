@@ -36,6 +36,38 @@ def configure_engine_logging(level: str) -> None:
     os.environ.setdefault("VLLM_LOGGING_LEVEL", level.upper())
 
 
+# The generation config's defaults a gateway is told of (those vLLM applies when a request sets none).
+_SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+
+
+def _token_ids(value: Any) -> tuple[int, ...]:
+    """A config's token id field: one id or a list of them (negatives and booleans are no ids)."""
+    values = value if isinstance(value, list | tuple) else [value]
+    return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
+
+
+def _model_facts(llm: Any) -> dict[str, Any]:
+    """What the engine knows of its model and cache beyond the cost model (vLLM's configs)."""
+    model_config, cache = llm.model_config, llm.vllm_config.cache_config
+    hf_config = model_config.hf_config
+    defaults = model_config.get_diff_sampling_param() or {}
+    blocks, block_size = cache.num_gpu_blocks or 0, cache.block_size or 0
+    return {
+        "model_type": str(getattr(hf_config, "model_type", "") or ""),
+        "architectures": tuple(getattr(hf_config, "architectures", None) or ()),
+        "eos_token_ids": _token_ids(getattr(hf_config, "eos_token_id", None)),
+        "bos_token_id": next(iter(_token_ids(getattr(hf_config, "bos_token_id", None))), None),
+        "pad_token_id": next(iter(_token_ids(getattr(hf_config, "pad_token_id", None))), None),
+        "sampling_defaults": tuple(
+            (key, float(defaults[key])) for key in _SAMPLING_DEFAULT_KEYS if defaults.get(key) is not None
+        ),
+        "max_num_seqs": int(llm.vllm_config.scheduler_config.max_num_seqs),
+        "kv_cache_capacity_tokens": blocks * block_size,
+        "kv_cache_block_size": block_size,
+        "kv_cache_dtype": str(cache.cache_dtype),
+    }
+
+
 def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
     """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
     one warning — the cost model never stops the server from starting."""
@@ -145,6 +177,7 @@ class VllmEngine:
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
+                **_model_facts(llm),
             )
             engine = cls(llm, description)
         except BaseException:
@@ -269,6 +302,7 @@ class VllmEngine:
                         cached_prompt_tokens=output.num_cached_tokens or 0,
                         stamps=stamps,
                         engine_index=engine_index,
+                        stop_reason=completion.stop_reason,
                     )
         except EngineDeadError as exc:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
@@ -281,6 +315,9 @@ class VllmEngine:
             return 0
         identity = getattr(self._llm.engine_core, "reqs_in_flight", {}).get(request_id)
         return int.from_bytes(identity, "little") if isinstance(identity, bytes) else 0
+
+    async def reset_prefix_cache(self) -> bool:
+        return bool(await self._llm.reset_prefix_cache())
 
     async def warm_up(self) -> None:
         """Run one tiny request so the first client does not pay for lazy initialisation."""
