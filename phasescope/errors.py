@@ -8,7 +8,8 @@
     │   └── ClientLimitError     too many from this one caller: RESOURCE_EXHAUSTED
     ├── WatcherLimitError        --max-watchers telemetry watchers already: RESOURCE_EXHAUSTED
     ├── NotReadyError            engine still starting, or the server draining: UNAVAILABLE
-    └── EngineUnavailableError   the engine died: UNAVAILABLE
+    ├── EngineUnavailableError   the engine died: UNAVAILABLE
+    └── NotOfferedError          an RPC of a served protocol this worker does not offer: UNIMPLEMENTED
 
 `asyncio.CancelledError` or `GeneratorExit` (client went away or its deadline
 passed) is CANCELLED (the servicer's record says DEADLINE_EXCEEDED when the
@@ -48,3 +49,8 @@ class NotReadyError(PhasescopeError):
 
 class EngineUnavailableError(PhasescopeError):
     """The engine has died; the server cannot serve until it is restarted."""
+
+
+class NotOfferedError(PhasescopeError):
+    """An RPC of a protocol the server speaks that this worker does not offer (e.g. Embed on a
+    generation model)."""

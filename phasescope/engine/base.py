@@ -109,6 +109,10 @@ class Engine(Protocol):
         the request reaches the engine.
         """
 
+    async def abort(self, request_id: str) -> None:
+        """Stop a request the engine runs (an out-of-band abort, e.g. a gateway's): its steps end with a
+        last step whose finish_reason is "abort". An id the engine does not run is ignored."""
+
     async def reset_prefix_cache(self) -> bool:
         """Drop the prefix cache's reusable blocks (requests in flight keep theirs); False when refused."""
 

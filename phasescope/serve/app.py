@@ -32,6 +32,8 @@ from phasescope.serve.admission import Admission
 from phasescope.serve.auth import BearerTokenInterceptor, caller_identity, load_tokens, server_credentials
 from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
+from phasescope.serve.engine_protocol.servicer import SERVICE_NAME as ENGINE_PROTOCOL_SERVICE
+from phasescope.serve.engine_protocol.servicer import VllmEngineServicer, engine_protocol_handler
 from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
 from phasescope.serve.lifecycle import RequestPath
@@ -133,7 +135,7 @@ class Server:
             logger.info("bearer-token authentication on (%d tokens)%s", len(tokens), "; health open" if exempt else "")
         # Listed outermost first: authentication, then the server span, which wraps the
         # status mapping so it sees the final status.
-        interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME,)))
+        interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME, ENGINE_PROTOCOL_SERVICE)))
         admission = Admission(
             settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client
         )
@@ -146,18 +148,28 @@ class Server:
             identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
         )
         servicer = InferenceServicer(path, max_watchers=settings.max_watchers)
+        # vLLM's engine protocol on the same port, over the same path: the smg gateway's door.
+        engine_protocol = VllmEngineServicer(path)
 
         server = grpc.aio.server(
             interceptors=interceptors,
             options=[
                 ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+                # A gateway pings every connection (smg every 30 s), also between requests and while
+                # a unary Generate writes nothing: a default server counts those as strikes and ends
+                # the connection with GOAWAY(too_many_pings). As vLLM's own gRPC worker allows them.
+                ("grpc.http2.max_ping_strikes", 0),
+                ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+                ("grpc.keepalive_permit_without_calls", 1),
             ],
         )
         self._grpc = server
-        server.add_generic_rpc_handlers((inference_handler(servicer),))
+        server.add_generic_rpc_handlers((inference_handler(servicer), engine_protocol_handler(engine_protocol)))
         health_pb2_grpc.add_HealthServicer_to_server(self.health, server)
-        reflection.enable_server_reflection((SERVICE_NAME, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
+        reflection.enable_server_reflection(
+            (SERVICE_NAME, ENGINE_PROTOCOL_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+        )
         await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
         listen = f"{settings.host}:{settings.port}"
         if settings.tls_cert_file:
@@ -229,10 +241,11 @@ class Server:
             )
             await engine.warm_up()
             servicer.attach_engine(engine, engine_peaks)
+            live = LiveTelemetry(aggregated, recent)
             servicer.attach_telemetry(
-                ServerFacts(model_name, description.device, description.dtype, engine_peaks, self._started),
-                LiveTelemetry(aggregated, recent),
+                ServerFacts(model_name, description.device, description.dtype, engine_peaks, self._started), live
             )
+            engine_protocol.attach_telemetry(live)
             frozen = freeze_startup_heap()
             await self._set_health(health_pb2.HealthCheckResponse.SERVING)
             logger.info(

@@ -23,6 +23,7 @@ from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext
+from phasescope.serve.timings import timings_message
 from phasescope.serve.validation import (
     UndecodableRequest,
     build_sampling,
@@ -35,8 +36,7 @@ from phasescope.serve.validation import (
 )
 from phasescope.serve.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.request.phases import PhaseTimings, RequestParameters
-from phasescope.telemetry.request.stages import STAGES
+from phasescope.telemetry.request.phases import RequestParameters
 from phasescope.v1 import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -59,32 +59,13 @@ def _prompt_text(parsed: ParsedInput) -> str:
     return " ".join(map(str, parsed.token_ids))
 
 
-def _timings_message(timings: PhaseTimings) -> pb.Timings:
-    message = pb.Timings(
-        time_to_first_token_seconds=timings.time_to_first_token_seconds or 0.0,
-        e2e_seconds=timings.e2e_seconds or 0.0,
-        mean_inter_token_seconds=timings.mean_inter_token_seconds or 0.0,
-        decode_tokens_per_second=timings.decode_tokens_per_second or 0.0,
-        client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
-        decode_stalled_by_prefill_seconds=timings.decode_stalled_by_prefill_seconds or 0.0,
-        decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
-    )
-    # Each stage with a field of its own in the contract (abandoned has none: such a request sends no chunk).
-    for stage in _TIMED_STAGES:
-        setattr(message, stage.seconds_field, timings.seconds(stage) or 0.0)
-    return message
-
-
-_TIMED_STAGES = tuple(stage for stage in STAGES if stage.seconds_field in pb.Timings.DESCRIPTOR.fields_by_name)
-
-
 def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb.GenerateStreamResponse:
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=step.text, token_ids=step.token_ids)
     if step.finished:
         chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
         chunk.usage.prompt_tokens = lifecycle.prompt_tokens
         chunk.usage.completion_tokens = lifecycle.completion_tokens
-        chunk.timings.CopyFrom(_timings_message(lifecycle.final_timings()))
+        chunk.timings.CopyFrom(timings_message(lifecycle.final_timings()))
     return chunk
 
 

@@ -10,6 +10,7 @@ from phasescope.errors import (
     ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
+    NotOfferedError,
     NotReadyError,
     OverloadedError,
     WatcherLimitError,
@@ -26,6 +27,8 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
     (WatcherLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, None),
     (NotReadyError, grpc.StatusCode.UNAVAILABLE, "not_ready"),
     (EngineUnavailableError, grpc.StatusCode.UNAVAILABLE, "engine_unavailable"),
+    # An RPC the worker does not offer is no refused request either.
+    (NotOfferedError, grpc.StatusCode.UNIMPLEMENTED, None),
     (asyncio.CancelledError, grpc.StatusCode.CANCELLED, None),
     # A stream closed while suspended at `yield` (the client cancelled between chunks).
     (GeneratorExit, grpc.StatusCode.CANCELLED, None),

@@ -7,8 +7,9 @@ bad-input case is tested without an engine. Every error names the field.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from google.protobuf.message import Message
 
@@ -25,6 +26,9 @@ MAX_REQUEST_ID_CHARS = 256
 # Top-level field numbers of the `input` oneof in GenerateRequest and TokenizeRequest.
 _GENERATE_INPUT_FIELDS = frozenset({2, 3, 4})
 _TOKENIZE_INPUT_FIELDS = frozenset({1, 2})
+
+
+M = TypeVar("M", bound=Message)
 
 
 class UndecodableRequest:
@@ -90,19 +94,23 @@ def _check_decoded(message: Message, data: bytes, input_fields: frozenset[int]) 
     return None
 
 
-def decode_watch_request(data: bytes) -> pb.WatchTelemetryRequest | UndecodableRequest:
-    message = pb.WatchTelemetryRequest()
-    return _check_decoded(message, data, frozenset()) or message
+def decoder(
+    message_type: type[M], input_fields: frozenset[int] = frozenset()
+) -> Callable[[bytes], M | UndecodableRequest]:
+    """A request deserializer for `message_type` that turns bytes it cannot read (or two members of
+    the oneof whose field numbers are `input_fields`) into an `UndecodableRequest`, which the handler
+    answers INVALID_ARGUMENT, instead of the INTERNAL status gRPC gives a failing deserializer."""
+
+    def decode(data: bytes) -> M | UndecodableRequest:
+        message = message_type()
+        return _check_decoded(message, data, input_fields) or message
+
+    return decode
 
 
-def decode_generate_request(data: bytes) -> pb.GenerateRequest | UndecodableRequest:
-    message = pb.GenerateRequest()
-    return _check_decoded(message, data, _GENERATE_INPUT_FIELDS) or message
-
-
-def decode_tokenize_request(data: bytes) -> pb.TokenizeRequest | UndecodableRequest:
-    message = pb.TokenizeRequest()
-    return _check_decoded(message, data, _TOKENIZE_INPUT_FIELDS) or message
+decode_watch_request = decoder(pb.WatchTelemetryRequest)
+decode_generate_request = decoder(pb.GenerateRequest, _GENERATE_INPUT_FIELDS)
+decode_tokenize_request = decoder(pb.TokenizeRequest, _TOKENIZE_INPUT_FIELDS)
 
 
 def parse_chat(chat: pb.Chat, field: str) -> tuple[ChatTurn, ...]:

@@ -55,6 +55,7 @@ class InFlight(Protocol):
 
     request_id: str
     prompt_tokens: int
+    cached_prompt_tokens: int
     completion_tokens: int
     front: FrontendTimestamps
     stamps: EngineTimestamps | None

@@ -54,6 +54,7 @@ class ScriptedEngine:
         *,
         max_model_len: int = 256,
         refuse_temperature_above: float = 2.0,
+        model_path: str = "/scripted",
     ) -> None:
         self._script_for = script_for
         self._refuse_temperature_above = refuse_temperature_above
@@ -67,7 +68,7 @@ class ScriptedEngine:
         self._limits = ModelLimits(max_model_len=max_model_len, vocab_size=VOCABULARY, max_chars_per_token=8)
         self._description = ModelDescription(
             model_name="scripted",
-            model_path="/scripted",
+            model_path=model_path,
             max_context_length=max_model_len,
             dtype="float32",
             vocab_size=VOCABULARY,
@@ -89,6 +90,7 @@ class ScriptedEngine:
             kv_cache_block_size=16,
         )
         self.prefix_cache_resets = 0
+        self._aborts: dict[str, asyncio.Event] = {}
 
     @property
     def description(self) -> ModelDescription:
@@ -118,6 +120,7 @@ class ScriptedEngine:
 
     async def _play(self, request_id: str, script: Script, sampling: SamplingSpec) -> AsyncGenerator[EngineStep, None]:
         self.started.append(request_id)
+        aborted = self._aborts[request_id] = asyncio.Event()
         queued = time.monotonic()
         tokens = script.tokens[: sampling.max_tokens]
         first = 0.0
@@ -128,7 +131,12 @@ class ScriptedEngine:
                 if script.fail_after is not None and index == script.fail_after:
                     raise script.failure
                 if script.hang_after is not None and index == script.hang_after:
-                    await asyncio.Event().wait()
+                    await aborted.wait()  # only a cancel or an abort ends it
+                if aborted.is_set():
+                    # As vLLM does: a last output, finished with "abort".
+                    self.aborted.append(request_id)
+                    yield EngineStep("", (), True, "abort", index, script.cached_prompt_tokens, None)
+                    return
                 await asyncio.sleep(script.step_seconds)
                 now = time.monotonic()
                 first = first or now
@@ -146,7 +154,13 @@ class ScriptedEngine:
         except (GeneratorExit, asyncio.CancelledError):
             self.aborted.append(request_id)
             raise
+        finally:
+            del self._aborts[request_id]
         self.finished.append(request_id)
+
+    async def abort(self, request_id: str) -> None:
+        if request_id in self._aborts:
+            self._aborts[request_id].set()
 
     async def reset_prefix_cache(self) -> bool:
         self.prefix_cache_resets += 1

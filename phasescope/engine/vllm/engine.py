@@ -99,6 +99,8 @@ class VllmEngine:
         )
         self._default_sampling: dict[str, Any] = dict(llm.model_config.get_diff_sampling_param())
         self._closed = False
+        # Requests this front end aborted out of band: their "abort" finish is ours, not a dead core's.
+        self._aborting: set[str] = set()
 
     @classmethod
     def start(cls, options: EngineOptions, model_path: str, served_model_name: str, steps: StepForwarder) -> VllmEngine:
@@ -276,10 +278,10 @@ class VllmEngine:
                 engine_index: int | None = None
                 async for output in outputs:
                     completion = output.outputs[0]
-                    if completion.finish_reason == "abort":
-                        # Our own aborts (client gone) close this generator and never
-                        # come back as outputs: an abort seen here came from the engine,
-                        # which does that when an engine core stops.
+                    if completion.finish_reason == "abort" and request_id not in self._aborting:
+                        # A client that went away closes this generator, which never comes back
+                        # as an output; an abort not asked for here came from the engine, which
+                        # does that when an engine core stops.
                         raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
                     stats = output.metrics
                     stamps = None
@@ -308,6 +310,8 @@ class VllmEngine:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
         except VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+        finally:
+            self._aborting.discard(request_id)
 
     def _engine_index(self, request_id: str) -> int:
         """The data-parallel engine core serving a request (vLLM's client keeps the choice by request)."""
@@ -315,6 +319,11 @@ class VllmEngine:
             return 0
         identity = getattr(self._llm.engine_core, "reqs_in_flight", {}).get(request_id)
         return int.from_bytes(identity, "little") if isinstance(identity, bytes) else 0
+
+    async def abort(self, request_id: str) -> None:
+        self._aborting.add(request_id)
+        # vLLM ends the request's output stream with a final "abort" output.
+        await self._llm.abort(request_id)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())

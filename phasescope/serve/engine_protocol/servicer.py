@@ -1,0 +1,266 @@
+"""vllm.grpc.engine.VllmEngine over the shared request lifecycle: what the smg gateway drives.
+
+The Generate handler parses its message (`requests`), walks `phasescope.serve.lifecycle` like
+phasescope.v1's, and writes this protocol's messages as vLLM's own servicer does: a stream sends
+a chunk per engine step (the step's new token ids) and then a `GenerateComplete` carrying the
+last step's ids and the finish reason; a unary call sends one `GenerateComplete` with every id.
+Its phase timings ride in the trailing metadata (`phasescope-timings-bin`, a serialised
+`phasescope.v1.Timings`), which routers that do not know it ignore.
+
+`Abort` stops the named requests in the engine; as with vLLM's worker, each stream then ends with
+a `GenerateComplete` whose finish reason is "abort". A client that goes away instead cancels its
+handler, which closes the engine request at once. RPCs this worker does not offer answer
+UNIMPLEMENTED naming themselves; the gateway tells them from failures.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncGenerator, Iterator
+from contextlib import aclosing, contextmanager
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.message import Message
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+from phasescope.engine.base import EngineStep
+from phasescope.errors import InvalidRequestError, NotOfferedError
+from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
+from phasescope.serve.engine_protocol.loads import scheduler_loads
+from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
+from phasescope.serve.inference import tokenize_off_loop
+from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext
+from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
+from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder
+from phasescope.serve.watch import TelemetrySource
+from phasescope.telemetry.request.phases import RequestParameters
+
+SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
+# Field numbers of GenerateRequest's `input` oneof (tokenized, text).
+_GENERATE_INPUT_FIELDS = frozenset({2, 3})
+
+
+class VllmEngineServicer:
+    """Implements vllm.grpc.engine.VllmEngine over the shared request path."""
+
+    def __init__(self, path: RequestPath, *, started: float | None = None) -> None:
+        """`started` is the server's start on the wall clock (GetServerInfo's uptime)."""
+        self._path = path
+        self._started = time.time() if started is None else started
+        self._last_receive = 0.0
+        self._telemetry: TelemetrySource | None = None
+        self._tokenizer: TokenizerBundle | None = None
+        # This protocol's requests in the engine, by the gateway's id (several when a caller reuses one).
+        self._engine_ids: dict[str, set[str]] = {}
+
+    def attach_telemetry(self, source: TelemetrySource) -> None:
+        """Where GetLoads reads the engine's figures (phasescope.serve.app, once they exist)."""
+        self._telemetry = source
+
+    @contextmanager
+    def _abortable(self, request_id: str, engine_request_id: str) -> Iterator[None]:
+        """The request can be aborted by the gateway's id while the engine runs it."""
+        engine_ids = self._engine_ids.setdefault(request_id, set())
+        engine_ids.add(engine_request_id)
+        try:
+            yield
+        finally:
+            engine_ids.discard(engine_request_id)
+            if not engine_ids:
+                del self._engine_ids[request_id]
+
+    async def Generate(
+        self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        path = self._path
+        self._last_receive = time.time()
+        streaming = not isinstance(request, UndecodableRequest) and request.stream
+        async with path.begin(streaming, context) as lifecycle:
+            engine = path.ready_engine()
+            if isinstance(request, UndecodableRequest):
+                raise InvalidRequestError(request.field, request.reason)
+            asked = parse_generate(request, engine.limits, engine.description.data_parallel_size)
+            async with lifecycle.admitted(path.caller(context)):
+                prompt = await tokenize_off_loop(engine, asked.parsed)
+                check_prompt_length(len(prompt), engine.limits, "tokenized.input_ids")
+                sampling = build_sampling(asked.sampling, len(prompt), engine.limits)
+                # The engine's id is ours (gateway ids may collide across gateways); Abort maps them.
+                engine_request_id = uuid.uuid4().hex
+                steps = engine.generate(engine_request_id, prompt, sampling)
+                parameters = RequestParameters(
+                    max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p
+                )
+                text = asked.parsed.prompt if path.capture_text else ""
+                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text)
+                with self._abortable(asked.request_id, engine_request_id):
+                    async with aclosing(self._responses(steps, lifecycle, context)) as responses:
+                        async for response in responses:
+                            yield response
+                            lifecycle.chunk_written()
+
+    async def _responses(
+        self, steps: AsyncGenerator[EngineStep, None], lifecycle: RequestLifecycle, context: ServicerContext
+    ) -> AsyncGenerator[pb.GenerateResponse, None]:
+        """The protocol's messages for the engine's steps (the lifecycle takes each step first)."""
+        output_ids: list[int] = []
+        async with aclosing(steps):
+            async for step in steps:
+                lifecycle.took(step)
+                if lifecycle.streaming:
+                    yield pb.GenerateResponse(chunk=_chunk(step, lifecycle))
+                else:
+                    output_ids.extend(step.token_ids)
+                if step.finished:
+                    timings = timings_message(lifecycle.final_timings())
+                    context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
+                    ids = list(step.token_ids) if lifecycle.streaming else output_ids
+                    yield pb.GenerateResponse(complete=_complete(step, ids, lifecycle))
+
+    async def Abort(self, request: pb.AbortRequest, context: ServicerContext) -> pb.AbortResponse:
+        engine = self._path.ready_engine()
+        for request_id in request.request_ids:
+            for engine_request_id in list(self._engine_ids.get(request_id, ())):
+                await engine.abort(engine_request_id)
+        return pb.AbortResponse()
+
+    async def HealthCheck(self, request: pb.HealthCheckRequest, context: ServicerContext) -> pb.HealthCheckResponse:
+        try:
+            self._path.ready_engine()
+        except Exception as exc:  # the reason the engine cannot serve is the answer, not an error
+            return pb.HealthCheckResponse(healthy=False, message=str(exc))
+        return pb.HealthCheckResponse(healthy=True, message="serving")
+
+    async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.GetModelInfoResponse:
+        return model_info(self._path.ready_engine().description)
+
+    async def GetServerInfo(
+        self, request: pb.GetServerInfoRequest, context: ServicerContext
+    ) -> pb.GetServerInfoResponse:
+        return server_info(
+            self._path.ready_engine().description,
+            active_requests=self._path.admission.in_flight,
+            uptime_seconds=time.time() - self._started,
+            last_receive_timestamp=self._last_receive,
+            paused=self._path.draining,
+        )
+
+    async def GetLoads(self, request: pb.GetLoadsRequest, context: ServicerContext) -> pb.GetLoadsResponse:
+        engine = self._path.ready_engine()
+        telemetry = self._telemetry
+        views = telemetry.views()[1] if telemetry is not None else []
+        loads = scheduler_loads(engine.description, views, self._path.in_flight)
+        if request.HasField("dp_rank"):
+            loads = [load for load in loads if load.dp_rank == request.dp_rank]
+        return pb.GetLoadsResponse(
+            timestamp=datetime.now(UTC).isoformat(),
+            version=engine.description.engine_version,
+            dp_rank_count=len(loads),
+            loads=loads,
+        )
+
+    async def GetTokenizer(
+        self, request: common_pb2.GetTokenizerRequest, context: ServicerContext
+    ) -> AsyncGenerator[common_pb2.GetTokenizerChunk, None]:
+        engine = self._path.ready_engine()
+        if self._tokenizer is None:
+            self._tokenizer = TokenizerBundle(Path(engine.description.model_path))
+        try:
+            data, sha256 = await self._tokenizer.archive()
+        except FileNotFoundError as exc:
+            # A model given by hub id, or a folder without tokenizer files: the gateway then needs
+            # --tokenizer-path (or --model-path) of its own.
+            raise NotOfferedError(f"GetTokenizer: {exc}") from exc
+        for chunk in tokenizer_chunks(data, sha256):
+            yield chunk
+
+    async def FlushCache(
+        self, request: common_pb2.FlushCacheRequest, context: ServicerContext
+    ) -> common_pb2.FlushCacheResponse:
+        engine = self._path.ready_engine()
+        flushed = await engine.reset_prefix_cache()
+        message = "prefix cache reset" if flushed else "the engine refused to reset its prefix cache"
+        return common_pb2.FlushCacheResponse(success=flushed, message=message)
+
+    async def Embed(self, request: pb.EmbedRequest, context: ServicerContext) -> pb.EmbedResponse:
+        raise NotOfferedError("Embed: this worker serves a generation model (GetModelInfo.is_generation)")
+
+    async def StartProfile(
+        self, request: common_pb2.StartProfileRequest, context: ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        raise NotOfferedError("StartProfile: profiling is not offered by this worker")
+
+    async def StopProfile(
+        self, request: common_pb2.StopProfileRequest, context: ServicerContext
+    ) -> common_pb2.ProfileResponse:
+        raise NotOfferedError("StopProfile: profiling is not offered by this worker")
+
+    async def SubscribeKvEvents(
+        self, request: common_pb2.SubscribeKvEventsRequest, context: ServicerContext
+    ) -> AsyncGenerator[common_pb2.KvEventBatch, None]:
+        # The gateway falls back to polling GetLoads when a worker offers no KV-event stream.
+        raise NotOfferedError("SubscribeKvEvents: KV-cache events are not relayed by this worker")
+        yield  # an async generator: a server-streaming RPC
+
+
+def _chunk(step: EngineStep, lifecycle: RequestLifecycle) -> pb.GenerateStreamChunk:
+    return pb.GenerateStreamChunk(
+        token_ids=step.token_ids,
+        prompt_tokens=lifecycle.prompt_tokens,
+        completion_tokens=len(step.token_ids),
+        cached_tokens=step.cached_prompt_tokens,
+    )
+
+
+def _complete(step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle) -> pb.GenerateComplete:
+    complete = pb.GenerateComplete(
+        output_ids=output_ids,
+        finish_reason=step.finish_reason or "stop",
+        prompt_tokens=lifecycle.prompt_tokens,
+        completion_tokens=len(output_ids),
+        cached_tokens=step.cached_prompt_tokens,
+    )
+    if isinstance(step.stop_reason, int):
+        complete.matched_token_id = step.stop_reason
+    elif isinstance(step.stop_reason, str):
+        complete.matched_stop_str = step.stop_reason
+    return complete
+
+
+def _unary(behaviour: Any, request: type[Message], response: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:
+    return grpc.unary_unary_rpc_method_handler(behaviour, request.FromString, response.SerializeToString)
+
+
+def _stream(behaviour: Any, request: type[Message], response: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:
+    return grpc.unary_stream_rpc_method_handler(behaviour, request.FromString, response.SerializeToString)
+
+
+def engine_protocol_handler(servicer: VllmEngineServicer) -> grpc.GenericRpcHandler:
+    """The service's handlers; a Generate request that cannot be read is INVALID_ARGUMENT, not INTERNAL."""
+    common = common_pb2
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+        "Generate": grpc.unary_stream_rpc_method_handler(
+            servicer.Generate,
+            request_deserializer=decoder(pb.GenerateRequest, _GENERATE_INPUT_FIELDS),
+            response_serializer=pb.GenerateResponse.SerializeToString,
+        ),
+        "Abort": _unary(servicer.Abort, pb.AbortRequest, pb.AbortResponse),
+        "HealthCheck": _unary(servicer.HealthCheck, pb.HealthCheckRequest, pb.HealthCheckResponse),
+        "GetModelInfo": _unary(servicer.GetModelInfo, pb.GetModelInfoRequest, pb.GetModelInfoResponse),
+        "GetServerInfo": _unary(servicer.GetServerInfo, pb.GetServerInfoRequest, pb.GetServerInfoResponse),
+        "GetLoads": _unary(servicer.GetLoads, pb.GetLoadsRequest, pb.GetLoadsResponse),
+        "GetTokenizer": _stream(servicer.GetTokenizer, common.GetTokenizerRequest, common.GetTokenizerChunk),
+        "FlushCache": _unary(servicer.FlushCache, common.FlushCacheRequest, common.FlushCacheResponse),
+        "Embed": _unary(servicer.Embed, pb.EmbedRequest, pb.EmbedResponse),
+        "StartProfile": _unary(servicer.StartProfile, common.StartProfileRequest, common.ProfileResponse),
+        "StopProfile": _unary(servicer.StopProfile, common.StopProfileRequest, common.ProfileResponse),
+        "SubscribeKvEvents": _stream(servicer.SubscribeKvEvents, common.SubscribeKvEventsRequest, common.KvEventBatch),
+    }
+    declared = {method.name for method in pb.DESCRIPTOR.services_by_name["VllmEngine"].methods}
+    if declared != set(handlers):
+        raise RuntimeError(f"the protocol declares {sorted(declared)} but handlers exist for {sorted(handlers)}")
+    return grpc.method_handlers_generic_handler(SERVICE_NAME, handlers)

@@ -1,0 +1,30 @@
+"""A request's phase timings as phasescope.v1's `Timings` message: the last chunk of a phasescope.v1
+stream carries it, and an engine-protocol stream its serialisation in trailing metadata."""
+
+from __future__ import annotations
+
+from phasescope.telemetry.request.phases import PhaseTimings
+from phasescope.telemetry.request.stages import STAGES
+from phasescope.v1 import inference_pb2 as pb
+
+TIMINGS_METADATA_KEY = "phasescope-timings-bin"
+"""The trailing-metadata key of an engine-protocol stream's timings (a serialised `phasescope.v1.Timings`)."""
+
+
+def timings_message(timings: PhaseTimings) -> pb.Timings:
+    message = pb.Timings(
+        time_to_first_token_seconds=timings.time_to_first_token_seconds or 0.0,
+        e2e_seconds=timings.e2e_seconds or 0.0,
+        mean_inter_token_seconds=timings.mean_inter_token_seconds or 0.0,
+        decode_tokens_per_second=timings.decode_tokens_per_second or 0.0,
+        client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
+        decode_stalled_by_prefill_seconds=timings.decode_stalled_by_prefill_seconds or 0.0,
+        decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
+    )
+    # Each stage with a field of its own in the contract (abandoned has none: such a request sends no chunk).
+    for stage in _TIMED_STAGES:
+        setattr(message, stage.seconds_field, timings.seconds(stage) or 0.0)
+    return message
+
+
+_TIMED_STAGES = tuple(stage for stage in STAGES if stage.seconds_field in pb.Timings.DESCRIPTOR.fields_by_name)

@@ -1,0 +1,302 @@
+"""vLLM's engine protocol over a scripted engine: the real servicer, interceptors and gRPC server, driven
+through the protocol's published stubs as the gateway drives a worker."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Coroutine
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from prometheus_client import CollectorRegistry
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from phasescope.serve.admission import Admission
+from phasescope.serve.app import LiveTelemetry
+from phasescope.serve.engine_protocol.servicer import SERVICE_NAME, VllmEngineServicer, engine_protocol_handler
+from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.lifecycle import RequestPath
+from phasescope.serve.timings import TIMINGS_METADATA_KEY
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.live import RecentLatencies
+from phasescope.telemetry.request.observer import ObserverGroup
+from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
+from phasescope.telemetry.step.aggregator import StepAggregator
+from phasescope.telemetry.step.records import StepRecord
+from phasescope.v1 import inference_pb2 as v1
+from support.fake_engine import Script, ScriptedEngine
+
+MODEL = "scripted"
+PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "flag", "toy")
+
+
+class Served:
+    def __init__(self, engine: ScriptedEngine, path: RequestPath, steps: StepAggregator) -> None:
+        self.engine = engine
+        self.path = path
+        self.steps = steps
+        self.registry = CollectorRegistry()
+        self.stub: Any = None
+        self.channel: Any = None
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
+
+
+@asynccontextmanager
+async def serve(engine: ScriptedEngine, *, max_running: int = 4) -> AsyncIterator[Served]:
+    steps = StepAggregator(engine.description.cost, "float32", PEAKS)
+    served = Served(engine, RequestPath(ObserverGroup([]), Admission(max_running, 0), MODEL), steps)
+    recent = RecentLatencies()
+    served.path.observer = ObserverGroup([PrometheusRequestObserver(served.registry, MODEL), recent])
+    served.path.engine = engine
+    served.path.interference = steps.read_interference
+    servicer = VllmEngineServicer(served.path)
+    servicer.attach_telemetry(LiveTelemetry(steps, recent))
+    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))])
+    server.add_generic_rpc_handlers((engine_protocol_handler(servicer),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
+            served.channel = channel
+            served.stub = pb_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+            yield served
+    finally:
+        await server.stop(grace=None)
+
+
+def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
+    def test() -> None:
+        asyncio.run(scenario())
+
+    test.__name__ = scenario.__name__
+    return test
+
+
+async def eventually(condition: Callable[[], bool], within_seconds: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + within_seconds
+    while not condition():
+        assert asyncio.get_running_loop().time() < deadline, "condition never held"
+        await asyncio.sleep(0.01)
+
+
+def generate(request_id: str = "req-1", ids: tuple[int, ...] = (5, 6, 7), stream: bool = True, **sampling: Any) -> Any:
+    return pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=pb.TokenizedInput(input_ids=ids),
+        sampling_params=pb.SamplingParams(**sampling),
+        stream=stream,
+    )
+
+
+@run
+async def test_a_stream_sends_each_steps_ids_then_the_complete_with_timings_in_trailing_metadata() -> None:
+    engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13], finish_reason="stop", stop_reason=2))
+    async with serve(engine) as s:
+        call = s.stub.Generate(generate(max_tokens=8))
+        responses = [response async for response in call]
+        trailing = dict(await call.trailing_metadata())
+        await eventually(lambda: s.value("phasescope_requests_in_flight") == 0)
+        chunks = [r.chunk for r in responses if r.HasField("chunk")]
+        (complete,) = [r.complete for r in responses if r.HasField("complete")]
+        assert [list(c.token_ids) for c in chunks] == [[11], [12], [13]]
+        assert all(c.prompt_tokens == 3 for c in chunks)
+        # As vLLM's servicer streams: the complete carries the last step's ids and the finish reason.
+        assert (list(complete.output_ids), complete.finish_reason, complete.prompt_tokens) == ([13], "stop", 3)
+        assert complete.matched_token_id == 2
+        timings = v1.Timings.FromString(trailing[TIMINGS_METADATA_KEY])
+        stages = timings.frontend_seconds + timings.intake_seconds + timings.queue_seconds
+        assert stages + timings.prefill_seconds + timings.decode_seconds == pytest.approx(timings.e2e_seconds, abs=1e-6)
+        # Counted as every request is, whichever door it came in by.
+        assert s.value("phasescope_requests_total", code="OK", finish_reason="stop") == 1
+        assert s.value("phasescope_tokens_total", phase="decode") == 3
+        assert s.value("phasescope_tokens_total", phase="prefill") == 3
+
+
+@run
+async def test_a_unary_generate_sends_one_complete_with_every_id() -> None:
+    engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13], finish_reason="stop", stop_reason="\n\n"))
+    async with serve(engine) as s:
+        responses = [response async for response in s.stub.Generate(generate(stream=False, max_tokens=8))]
+        assert [r.WhichOneof("response") for r in responses] == ["complete"]
+        complete = responses[0].complete
+        assert (list(complete.output_ids), complete.completion_tokens) == ([11, 12, 13], 3)
+        assert complete.matched_stop_str == "\n\n"
+
+
+@run
+async def test_max_tokens_ends_the_stream_with_length() -> None:
+    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3, 4]))) as s:
+        responses = [response async for response in s.stub.Generate(generate(max_tokens=2))]
+        assert responses[-1].complete.finish_reason == "length"
+        assert sum(len(r.chunk.token_ids) for r in responses if r.HasField("chunk")) == 2
+
+
+@run
+async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> None:
+    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1)), max_running=1) as s:
+        call = s.stub.Generate(generate("to-abort", max_tokens=8))
+        first = await call.read()
+        assert list(first.chunk.token_ids) == [1]
+        await s.stub.Abort(pb.AbortRequest(request_ids=["someone-else", "to-abort"]))
+        # As vLLM's worker ends an aborted stream: a last message finished with "abort", status OK.
+        rest = []
+        while (response := await call.read()) is not grpc.aio.EOF:
+            rest.append(response)
+        assert rest[-1].complete.finish_reason == "abort"
+        assert await call.code() is grpc.StatusCode.OK
+        await eventually(lambda: bool(s.engine.aborted) and s.path.admission.in_flight == 0)
+        assert s.value("phasescope_requests_total", code="OK", finish_reason="abort") == 1
+        # The only slot is free: the next request runs.
+        s.engine._script_for = lambda prompt: Script(tokens=[9])
+        responses = [response async for response in s.stub.Generate(generate("next", max_tokens=1))]
+        assert responses[-1].complete.output_ids == [9]
+
+
+@pytest.mark.parametrize(
+    ("request_", "field"),
+    [
+        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1])), "request_id"),
+        (pb.GenerateRequest(request_id="r"), "input"),
+        (generate(ids=()), "tokenized.input_ids"),
+        (generate(ids=(1, 10**6)), "tokenized.input_ids[1]"),
+        (generate(n=2), "sampling_params.n"),
+        (generate(logprobs=2), "sampling_params.logprobs"),
+        (generate(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
+        (generate(logit_bias={3: -100.0}), "sampling_params.logit_bias"),
+        (generate(top_p=1.5), "sampling_params.top_p"),
+        (generate(max_tokens=10_000), "sampling_params.max_tokens"),
+        (generate(temperature=float("nan")), "sampling_params.temperature"),
+        (generate(stop_token_ids=[10**6]), "sampling_params.stop_token_ids[0]"),
+        (
+            pb.GenerateRequest(
+                request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), mm_inputs=pb.MultimodalInputs()
+            ),
+            "mm_inputs",
+        ),
+        (
+            pb.GenerateRequest(
+                request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"
+            ),
+            "kv_transfer_params_json",
+        ),
+        (
+            pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), data_parallel_rank=3),
+            "data_parallel_rank",
+        ),
+    ],
+    ids=lambda value: value if isinstance(value, str) else "",
+)
+def test_what_the_worker_cannot_serve_is_invalid_argument_naming_the_field(request_: Any, field: str) -> None:
+    async def scenario() -> None:
+        async with serve(ScriptedEngine()) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in s.stub.Generate(request_):
+                    pass
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert (caught.value.details() or "").startswith(f"{field}: ")
+            # Refused before the engine, counted once, and the server keeps serving.
+            assert s.value("phasescope_requests_rejected_total", reason="invalid_argument") == 1
+            assert not s.engine.started
+            responses = [response async for response in s.stub.Generate(generate(max_tokens=1))]
+            assert responses[-1].HasField("complete")
+
+    asyncio.run(scenario())
+
+
+@run
+async def test_a_request_with_both_inputs_or_unreadable_bytes_is_invalid_argument() -> None:
+    async with serve(ScriptedEngine()) as s:
+        both = generate().SerializeToString() + pb.GenerateRequest(text="also text").SerializeToString()
+        # The bytes as they are, past the stub's serializer.
+        raw = s.channel.unary_stream(
+            f"/{SERVICE_NAME}/Generate",
+            request_serializer=lambda data: data,
+            response_deserializer=pb.GenerateResponse.FromString,
+        )
+        for payload, field in ((both, "input"), (b"\xff\xff\xff", "request")):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                async for _ in raw(payload):
+                    pass
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert (caught.value.details() or "").startswith(f"{field}: ")
+
+
+@run
+async def test_the_management_rpcs_answer_as_a_gateway_expects() -> None:
+    async with serve(ScriptedEngine()) as s:
+        health = await s.stub.HealthCheck(pb.HealthCheckRequest())
+        assert health.healthy
+        info = await s.stub.GetModelInfo(pb.GetModelInfoRequest())
+        assert (info.is_generation, info.served_model_name, info.max_context_length) == (True, "scripted", 256)
+        server = await s.stub.GetServerInfo(pb.GetServerInfoRequest())
+        assert (server.max_num_seqs, server.data_parallel_size) == (4, 1)
+        flushed = await s.stub.FlushCache(common_pb2.FlushCacheRequest())
+        assert flushed.success
+        assert s.engine.prefix_cache_resets == 1
+        for call, request in (
+            (s.stub.Embed, pb.EmbedRequest()),
+            (s.stub.StartProfile, common_pb2.StartProfileRequest()),
+            (s.stub.StopProfile, common_pb2.StopProfileRequest()),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call(request)
+            assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in s.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()):
+                pass
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        # An unhealthy engine is an answer, not an error.
+        s.engine.dead = True
+        health = await s.stub.HealthCheck(pb.HealthCheckRequest())
+        assert (health.healthy, health.message) == (False, "the engine is dead; the server must be restarted")
+
+
+@run
+async def test_get_loads_reports_the_engines_own_figures_and_the_queued_prompt_work() -> None:
+    script = Script(tokens=[1, 2], hang_after=0)
+    async with serve(ScriptedEngine(lambda prompt: script)) as s:
+        s.steps.record_queue(0, running=3, waiting=2, kv_cache_usage=0.25)
+        s.steps.record(StepRecord(0, 0, 0, 3, 3, 0.05, flops=1e9, read_bytes=5e9))
+        # A request handed to the engine that has no first token yet: its 4 prompt tokens are queued work.
+        call = s.stub.Generate(generate("waiting", ids=(1, 2, 3, 4), max_tokens=2))
+        await eventually(lambda: bool(s.engine.started))
+        loads = await s.stub.GetLoads(pb.GetLoadsRequest())
+        (load,) = loads.loads
+        assert (load.num_running_reqs, load.num_waiting_reqs, load.num_total_reqs) == (3, 2, 5)
+        assert load.token_usage == pytest.approx(0.25)
+        assert (load.max_total_num_tokens, load.num_used_tokens, load.max_running_requests) == (4096, 1024, 4)
+        assert load.num_waiting_uncached_tokens == 4
+        assert load.gen_throughput > 0
+        assert 0 < load.utilization <= 1
+        call.cancel()
+
+
+@run
+async def test_the_tokenizer_streams_as_a_zip_with_its_digest_and_a_folder_without_one_is_unimplemented() -> None:
+    async with serve(ScriptedEngine()) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in s.stub.GetTokenizer(common_pb2.GetTokenizerRequest()):
+                pass
+        assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        assert "GetTokenizer: " in (caught.value.details() or "")
+
+
+def test_the_tokenizer_of_a_model_folder_streams_with_its_digest(tmp_path: Path) -> None:
+    (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
+    (tmp_path / "model.safetensors").write_bytes(b"weights")
+
+    async def scenario() -> None:
+        async with serve(ScriptedEngine(model_path=str(tmp_path))) as s:
+            chunks = [chunk async for chunk in s.stub.GetTokenizer(common_pb2.GetTokenizerRequest())]
+            assert chunks
+            assert chunks[-1].sha256
+            assert all(not chunk.sha256 for chunk in chunks[:-1])
+
+    asyncio.run(scenario())
