@@ -18,9 +18,11 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
+from typing import Self
 
 import grpc
 
@@ -134,7 +136,7 @@ class ManagedProcess:
         self._log.close()
         return int(self.process.returncode)
 
-    def __enter__(self) -> ManagedProcess:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -211,3 +213,38 @@ class PhasescopeProcess(ManagedProcess):
     def wait_engine_idle(self, timeout: float = 20.0) -> dict[str, float]:
         """Poll until the engine runs and queues nothing and no request is in flight; returns the last state."""
         return wait_engine_idle(self.metrics_url, timeout)
+
+
+class GatewayProcess(ManagedProcess):
+    """The smg gateway (`smg launch`) on a free loopback port, in front of gRPC workers: OpenAI HTTP to
+    its clients, vLLM's engine protocol to each worker."""
+
+    def __init__(
+        self,
+        worker_addresses: Sequence[str],
+        tokenizer_path: Path,
+        log_path: Path,
+        *,
+        policy: str = "round_robin",
+        extra_args: Sequence[str] = (),
+    ) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.ready_at = 0.0
+        """`time.monotonic()` when a worker had registered (the gateway pings it from then on)."""
+        # The launcher installed beside this interpreter (the serving environment's `smg`).
+        launcher = Path(sys.executable).with_name("smg")
+        command = [str(launcher), "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                   "--worker-urls", *(f"grpc://{address}" for address in worker_addresses),
+                   "--tokenizer-path", str(tokenizer_path), "--policy", policy, *extra_args]  # fmt: skip
+        super().__init__(command, log_path)
+
+    def models(self) -> list[str]:
+        """The models the gateway serves (its workers registered): /v1/models."""
+        with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
+            return [model["id"] for model in json.loads(response.read())["data"]]
+
+    def wait_ready(self, timeout: float = 120.0) -> None:
+        """Until a worker registered (health, model info and server info answered)."""
+        self.wait_until(lambda: bool(self.models()), "smg gateway", timeout=timeout, poll_seconds=0.5)
+        self.ready_at = time.monotonic()

@@ -1,0 +1,160 @@
+"""phasescope as a vLLM gRPC worker behind the real smg gateway, with the real OpenAI SDK as the client.
+
+The gateway registers the worker over vLLM's engine protocol (HealthCheck, GetModelInfo,
+GetServerInfo), tokenises and detokenises itself, and drives Generate with token ids; phasescope
+times and exports every such request as it does its own protocol's.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import openai
+import pytest
+from openai.types.chat import ChatCompletionMessageParam
+from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
+
+from phasescope.bench.harness import GatewayProcess
+from phasescope.serve.timings import TIMINGS_METADATA_KEY
+from phasescope.telemetry.exposition import sum_samples
+from phasescope.v1 import inference_pb2 as v1
+from support.servers import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+# smg pings each worker connection every 30 s (crates/grpc_client): a worker that counts those as
+# strikes ends the connection with GOAWAY(too_many_pings).
+GATEWAY_PING_SECONDS = 30.0
+
+
+@pytest.fixture(scope="module")
+def gateway(
+    server: ServerProcess, default_model: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    log = tmp_path_factory.mktemp("gateway") / "smg.log"
+    with GatewayProcess([server.address], default_model, log) as process:
+        process.wait_ready()
+        yield process
+
+
+@pytest.fixture
+def openai_client(gateway: GatewayProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+
+def stub(server: ServerProcess) -> tuple[grpc.Channel, Any]:
+    channel = grpc.insecure_channel(server.address)
+    return channel, pb_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+
+
+CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
+STORY: list[ChatCompletionMessageParam] = [{"role": "user", "content": "Write a very long story."}]
+
+
+def test_a_greedy_chat_through_the_gateway_answers_and_is_counted(
+    openai_client: openai.OpenAI, gateway: GatewayProcess, server: ServerProcess
+) -> None:
+    before = server.sample_sum("phasescope_requests_total", code="OK", finish_reason="stop")
+    decoded_before = server.sample_sum("phasescope_request_phase_seconds_count", phase="decode")
+    answer = openai_client.chat.completions.create(
+        model=gateway.models()[0],
+        messages=CHAT,
+        temperature=0,
+        max_tokens=32,
+    )
+    assert answer.choices[0].message.content == "The capital of France is Paris."
+    streamed = openai_client.chat.completions.create(
+        model=gateway.models()[0],
+        messages=CHAT,
+        temperature=0,
+        max_tokens=32,
+        stream=True,
+    )
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in streamed if chunk.choices)
+    assert text == "The capital of France is Paris."
+    server.wait_engine_idle()
+    assert server.sample_sum("phasescope_requests_total", code="OK", finish_reason="stop") == before + 2
+    assert server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") == decoded_before + 2
+
+
+def test_the_trailing_timings_are_what_the_metrics_observed(server: ServerProcess) -> None:
+    stages = ("frontend", "intake", "queue", "prefill", "decode")
+    server.wait_engine_idle()
+    before = {stage: server.sample_sum("phasescope_request_phase_seconds_sum", phase=stage) for stage in stages}
+    channel, engine = stub(server)
+    with channel:
+        request = pb.GenerateRequest(
+            request_id="timed", tokenized=pb.TokenizedInput(input_ids=[1, 504, 3458]),
+            sampling_params=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), stream=True,
+        )  # fmt: skip
+        call = engine.Generate(request)
+        responses = list(call)
+        trailing = dict(call.trailing_metadata())
+    assert responses[-1].complete.completion_tokens >= 1
+    timings = v1.Timings.FromString(trailing[TIMINGS_METADATA_KEY])
+    server.wait_engine_idle()
+    for stage in stages:
+        observed = server.sample_sum("phasescope_request_phase_seconds_sum", phase=stage) - before[stage]
+        assert observed == pytest.approx(getattr(timings, f"{stage}_seconds"), abs=1e-6), stage
+
+
+def test_a_client_that_drops_mid_decode_frees_the_engines_request(
+    openai_client: openai.OpenAI, gateway: GatewayProcess, server: ServerProcess
+) -> None:
+    aborted_before = server.sample_sum("phasescope_requests_total", finish_reason="abort")
+    stream = openai_client.chat.completions.create(
+        model=gateway.models()[0],
+        messages=STORY,
+        max_tokens=1500,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    for index, _ in enumerate(stream):
+        if index == 4:
+            break
+    stream.close()
+    # The gateway aborts the worker's request: the engine runs nothing, as vLLM's own series says.
+    deadline = time.monotonic() + 30
+    while server.sample_sum("vllm:num_requests_running") or server.sample_sum("phasescope_requests_in_flight"):
+        assert time.monotonic() < deadline, "the dropped request kept running in the engine"
+        time.sleep(0.2)
+    assert server.sample_sum("phasescope_requests_total", finish_reason="abort") == aborted_before + 1
+
+
+def test_get_loads_agrees_with_the_metrics(server: ServerProcess) -> None:
+    server.wait_engine_idle()
+    channel, engine = stub(server)
+    with channel:
+        loads = engine.GetLoads(pb.GetLoadsRequest())
+    samples = server.samples()
+    (load,) = loads.loads
+    running = sum_samples(samples, "phasescope_engine_requests", state="running")
+    waiting = sum_samples(samples, "phasescope_engine_requests", state="waiting")
+    assert (load.num_running_reqs, load.num_waiting_reqs) == (running, waiting)
+    assert load.token_usage == pytest.approx(sum_samples(samples, "phasescope_kv_cache_usage_ratio"))
+    # The KV cache's capacity is the engine's own: blocks × tokens per block, as vLLM's cache_config_info says.
+    config = dict(next(labels for (name, labels) in samples if name == "vllm:cache_config_info"))
+    assert load.max_total_num_tokens == int(config["num_gpu_blocks"]) * int(config["block_size"])
+    assert load.max_running_requests > 0
+
+
+def test_an_idle_gateway_pinging_past_its_interval_keeps_its_connection(
+    openai_client: openai.OpenAI, gateway: GatewayProcess
+) -> None:
+    idle_until = gateway.ready_at + GATEWAY_PING_SECONDS + 5
+    time.sleep(max(0.0, idle_until - time.monotonic()))
+    answer = openai_client.chat.completions.create(
+        model=gateway.models()[0],
+        messages=CHAT,
+        temperature=0,
+        max_tokens=8,
+    )
+    assert answer.choices[0].message.content
+    log = gateway.log_path.read_text(errors="replace").lower()
+    assert "too_many_pings" not in log
+    assert "goaway" not in log
