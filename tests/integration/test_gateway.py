@@ -8,7 +8,7 @@ times and exports every such request as it does its own protocol's.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +20,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from phasescope.bench.harness import GatewayProcess
+from phasescope.bench.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
 from phasescope.telemetry.exposition import sum_samples
 from phasescope.v1 import inference_pb2 as v1
@@ -158,3 +159,28 @@ def test_an_idle_gateway_pinging_past_its_interval_keeps_its_connection(
     log = gateway.log_path.read_text(errors="replace").lower()
     assert "too_many_pings" not in log
     assert "goaway" not in log
+
+
+def test_two_workers_share_the_load_and_one_stopping_mid_run_leaves_the_other_serving(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    # The tiny random-weight model keeps two more engines cheap on a small machine.
+    model = ensure_tiny_model()
+    workers = [start_server("--model", str(model), "--served-model-name", TINY_MODEL_NAME) for _ in range(2)]
+    with GatewayProcess([w.address for w in workers], model, tmp_path / "smg.log") as gateway:
+        gateway.wait_ready()
+        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0)
+
+        def complete() -> None:
+            answer = client.completions.create(model=TINY_MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0)
+            assert answer.choices[0].finish_reason == "length"
+
+        for _ in range(6):
+            complete()
+        served = [w.sample_sum("phasescope_requests_total", code="OK") for w in workers]
+        assert all(count >= 1 for count in served), f"round robin reached one worker only: {served}"
+        # One worker drains and exits mid-run; every later request is still answered, by the other.
+        workers[0].stop()
+        for _ in range(6):
+            complete()
+        assert workers[1].sample_sum("phasescope_requests_total", code="OK") == served[1] + 6
