@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import grpc
 import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from phasescope.client.client import Client, build_request
-from support.bad_input import BAD_REQUESTS, raw_call
+from support.bad_input import BAD_ENGINE_REQUESTS, BAD_REQUESTS, raw_call
 from support.servers import ServerProcess
 
 
@@ -51,3 +52,22 @@ def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(cli
         client.generate(build_request(prompt="x" * 2**20))
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert "1048576 characters cannot fit in the context window of 2048 tokens" in (caught.value.details() or "")
+
+
+@pytest.mark.parametrize("case", BAD_ENGINE_REQUESTS)
+def test_bad_engine_protocol_request_is_invalid_argument_naming_the_field(server: ServerProcess, case: str) -> None:
+    request, field = BAD_ENGINE_REQUESTS[case]
+    with grpc.insecure_channel(server.address) as channel:
+        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        for stream in (True, False):
+            request.stream = stream
+            with pytest.raises(grpc.RpcError) as caught:
+                list(engine.Generate(request))
+            assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT, caught.value.details()
+            assert (caught.value.details() or "").startswith(f"{field}: "), caught.value.details()
+        # The worker keeps serving this protocol.
+        good = vllm_engine_pb2.GenerateRequest(
+            request_id="good", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
+            sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=2),
+        )  # fmt: skip
+        assert list(engine.Generate(good))[-1].complete.completion_tokens == 2

@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 
 import grpc
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from phasescope.client.client import build_request
 from phasescope.v1 import inference_pb2 as pb
@@ -80,3 +81,39 @@ def raw_call(server: ServerProcess, data: bytes, method: str = "Generate") -> tu
         except grpc.RpcError as exc:
             return exc.code(), exc.details() or ""
     return grpc.StatusCode.OK, ""
+
+
+def _engine_request(
+    ids: tuple[int, ...] = (1, 2, 3), request_id: str = "bad", **sampling: object
+) -> vllm_engine_pb2.GenerateRequest:
+    return vllm_engine_pb2.GenerateRequest(
+        request_id=request_id,
+        tokenized=vllm_engine_pb2.TokenizedInput(input_ids=ids),
+        sampling_params=vllm_engine_pb2.SamplingParams(**sampling),  # type: ignore[arg-type]  # the cases' own values
+    )
+
+
+# vLLM's engine protocol: what the gateway could send that this worker cannot serve, and the field named.
+BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
+    "no request id": (_engine_request(request_id=""), "request_id"),
+    "no input": (vllm_engine_pb2.GenerateRequest(request_id="bad"), "input"),
+    "empty token ids": (_engine_request(ids=()), "tokenized.input_ids"),
+    "token id one past the vocabulary": (_engine_request(ids=(1, VOCAB)), "tokenized.input_ids[1]"),
+    "prompt filling the context": (_engine_request(ids=(42,) * MAX_MODEL_LEN), "tokenized.input_ids"),
+    "max_tokens beyond the context": (_engine_request(max_tokens=MAX_MODEL_LEN), "sampling_params.max_tokens"),
+    "top_p above 1": (_engine_request(top_p=1.5), "sampling_params.top_p"),
+    "NaN temperature": (_engine_request(temperature=math.nan), "sampling_params.temperature"),
+    "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
+    "n above 1": (_engine_request(n=2), "sampling_params.n"),
+    "log probabilities": (_engine_request(logprobs=2), "sampling_params.logprobs"),
+    "structured output": (_engine_request(regex="[0-9]+"), "sampling_params.regex"),
+    "logit bias": (_engine_request(logit_bias={5: -100.0}), "sampling_params.logit_bias"),
+    "multimodal input": (
+        vllm_engine_pb2.GenerateRequest(
+            request_id="bad",
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1]),
+            mm_inputs=vllm_engine_pb2.MultimodalInputs(),
+        ),
+        "mm_inputs",
+    ),
+}

@@ -4,6 +4,7 @@ through the protocol's published stubs as the gateway drives a worker."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Coroutine
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -22,6 +23,7 @@ from phasescope.serve.engine_protocol.servicer import SERVICE_NAME, VllmEngineSe
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
 from phasescope.serve.lifecycle import RequestPath
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
+from phasescope.serve.watch import request_snapshot
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import RecentLatencies
 from phasescope.telemetry.request.observer import ObserverGroup
@@ -300,3 +302,15 @@ def test_the_tokenizer_of_a_model_folder_streams_with_its_digest(tmp_path: Path)
             assert all(not chunk.sha256 for chunk in chunks[:-1])
 
     asyncio.run(scenario())
+
+
+@run
+async def test_a_request_of_this_protocol_is_listed_in_flight_for_watchers_and_top() -> None:
+    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1))) as s:
+        call = s.stub.Generate(generate("gw-7", max_tokens=8))
+        await call.read()
+        (request,) = s.path.in_flight
+        snapshot = request_snapshot(request, time.monotonic())
+        assert (snapshot.request_id, snapshot.phase, snapshot.prompt_tokens) == ("gw-7", "decode", 3)
+        call.cancel()
+        await eventually(lambda: not s.path.in_flight)
