@@ -98,28 +98,30 @@ class VllmEngineServicer:
                 text = asked.parsed.prompt if path.capture_text else ""
                 lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text)
                 with self._abortable(asked.request_id, engine_request_id):
-                    async with aclosing(self._responses(steps, lifecycle, context)) as responses:
-                        async for response in responses:
-                            yield response
-                            lifecycle.chunk_written()
+                    # One generator between the engine and gRPC (a second layer costs every message).
+                    output_ids: list[int] = []
+                    async with aclosing(steps):
+                        async for step in steps:
+                            lifecycle.took(step)
+                            if streaming:
+                                yield pb.GenerateResponse(chunk=_chunk(step, lifecycle))
+                                lifecycle.chunk_written()
+                            else:
+                                output_ids.extend(step.token_ids)
+                            if step.finished:
+                                yield self._last(
+                                    step, list(step.token_ids) if streaming else output_ids, lifecycle, context
+                                )
+                                lifecycle.chunk_written()
 
-    async def _responses(
-        self, steps: AsyncGenerator[EngineStep, None], lifecycle: RequestLifecycle, context: ServicerContext
-    ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        """The protocol's messages for the engine's steps (the lifecycle takes each step first)."""
-        output_ids: list[int] = []
-        async with aclosing(steps):
-            async for step in steps:
-                lifecycle.took(step)
-                if lifecycle.streaming:
-                    yield pb.GenerateResponse(chunk=_chunk(step, lifecycle))
-                else:
-                    output_ids.extend(step.token_ids)
-                if step.finished:
-                    timings = timings_message(lifecycle.final_timings())
-                    context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
-                    ids = list(step.token_ids) if lifecycle.streaming else output_ids
-                    yield pb.GenerateResponse(complete=_complete(step, ids, lifecycle))
+    @staticmethod
+    def _last(
+        step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle, context: ServicerContext
+    ) -> pb.GenerateResponse:
+        """The stream's `GenerateComplete`, its request's timings set in the trailing metadata first."""
+        timings = timings_message(lifecycle.final_timings())
+        context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
+        return pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
 
     async def Abort(self, request: pb.AbortRequest, context: ServicerContext) -> pb.AbortResponse:
         engine = self._path.ready_engine()
