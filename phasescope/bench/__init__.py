@@ -20,8 +20,14 @@ Definitions (the formulas are printed with the results, `summary.FORMULAS`):
 What a run can do: a sweep of fixed points (a rate sweep stops at the first
 over-saturated point), or an SLA search for the highest rate or concurrency whose
 goodput ratio meets a target. `--compare` runs the same workload against (a) vLLM's
-AsyncLLM in this process, (b) vLLM's OpenAI server and (c) phasescope, interleaved point
-by point, and prints phasescope ÷ in-process and phasescope ÷ OpenAI server at every point.
+AsyncLLM in this process, (b) vLLM's OpenAI server, (c) phasescope over phasescope.v1,
+(d) vLLM's own gRPC worker over vLLM's engine protocol (`vllm.grpc.engine.VllmEngine`,
+`vllm-grpc`) and (e) the same phasescope server over that protocol (`phasescope-vllm-grpc`),
+interleaved point by point (`--compare-protocol phasescope` keeps (a)–(c), `engine` (d)–(e)),
+and prints phasescope ÷ in-process and phasescope ÷ OpenAI server at every point. The
+engine-protocol targets send token ids (tokenised on the bench side, as the smg gateway
+does). Running endpoints are measured by flag, nothing started for them: any VllmEngine at
+`--vllm-grpc-address`, an OpenAI-compatible gateway at `--gateway-url`.
 
 Modules, one job each: `config` (the run's typed configuration from the flags, which
 `phasescope.cli.bench` defines), `workload` (requests and their records), `slo`

@@ -28,6 +28,11 @@ class ConfigError(ValueError):
     """Flags that do not make a run; the message is one line for the operator."""
 
 
+COMPARE_PROTOCOLS = ("all", "phasescope", "engine")
+"""What `--compare` adds beside phasescope: `phasescope` (in-process AsyncLLM and vLLM's OpenAI server, against
+phasescope.v1), `engine` (vLLM's gRPC worker, against phasescope over the same engine protocol), `all` (both)."""
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     points: tuple[tuple[str, float], ...]
@@ -78,13 +83,47 @@ class BenchConfig:
     pin_cpus: bool = False
     """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
     compare: bool = False
+    """Start the peers of `compare_protocol` beside phasescope, interleaved point by point."""
+    compare_protocol: str = "all"
+    """With `compare`: `phasescope` (in-process AsyncLLM, vLLM's OpenAI server and phasescope over phasescope.v1),
+    `engine` (vLLM's gRPC worker and phasescope over vLLM's engine protocol, `vllm-grpc` and
+    `phasescope-vllm-grpc`) or `all` (the five)."""
     address: str | None = None
+    """A running phasescope (host:port) instead of starting one."""
     metrics_url: str | None = None
+    """With `address`: its /metrics."""
+    vllm_grpc_address: str | None = None
+    """A running `vllm.grpc.engine.VllmEngine` endpoint (host:port; phasescope's or vLLM's worker) measured too,
+    as `vllm-grpc-endpoint`; nothing is started for it. Its tokenizer: `model` when given, else its GetModelInfo."""
+    gateway_url: str | None = None
+    """A running OpenAI-compatible gateway (http://host:port, smg's say) measured too, as `gateway`; nothing is
+    started for it, and no CPU figure (no process of ours)."""
     output_dir: Path = Path("loadtests/results/bench")
     prompts_file: str | None = None
     prompts_file_sha256: str | None = None
     command: str = ""
     """The command line that ran, to rerun it."""
+
+    @property
+    def external(self) -> bool:
+        """Whether a running endpoint other than phasescope is named (`vllm_grpc_address`, `gateway_url`)."""
+        return bool(self.vllm_grpc_address or self.gateway_url)
+
+    @property
+    def starts_phasescope(self) -> bool:
+        """A phasescope is started here: no `address`, and either `compare` or no other endpoint named (a run
+        with only `vllm_grpc_address` or `gateway_url` measures those alone)."""
+        return not self.address and (self.compare or not self.external)
+
+    @property
+    def measures_phasescope(self) -> bool:
+        """Whether phasescope (started here or at `address`) is measured at all."""
+        return bool(self.address) or self.starts_phasescope
+
+    @property
+    def starts_servers(self) -> bool:
+        """Whether this run starts anything (and so has engine settings of its own)."""
+        return self.compare or self.starts_phasescope
 
     def parameters(self) -> dict[str, Any]:
         """Every parameter, as written into the results."""
@@ -113,8 +152,11 @@ class BenchConfig:
             "scrape_interval": self.scrape_interval,
             "pin_cpus": self.pin_cpus,
             "compare": self.compare,
+            "compare_protocol": self.compare_protocol if self.compare else None,
             "address": self.address,
             "metrics_url": self.metrics_url,
+            "vllm_grpc_address": self.vllm_grpc_address,
+            "gateway_url": self.gateway_url,
             "output_dir": str(self.output_dir),
         }
 
@@ -127,6 +169,19 @@ def _values(text: str, flag: str, kind: type[float] | type[int]) -> list[float]:
     if any(not value > 0 for value in values):
         raise ConfigError(f"{flag}: every value must be positive, got {text!r}")
     return values
+
+
+def _host_port(text: str, flag: str) -> str:
+    host, _, port = text.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ConfigError(f"{flag}: {text!r} is not HOST:PORT")
+    return text
+
+
+def _http_url(text: str, flag: str) -> str:
+    if not text.startswith(("http://", "https://")) or len(text.split("://", 1)[1].strip("/")) == 0:
+        raise ConfigError(f"{flag}: {text!r} is not an http:// or https:// URL")
+    return text.rstrip("/")
 
 
 def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchConfig:
@@ -179,6 +234,13 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         raise ConfigError("--tiny-model and --model name two models: give one")
     if args.tiny_model and args.address:
         raise ConfigError("--tiny-model starts the servers it measures; --address serves its own model")
+    if args.compare_protocol is not None and not args.compare:
+        raise ConfigError("--compare-protocol chooses what --compare adds: give --compare")
+    vllm_grpc_address = _host_port(args.vllm_grpc_address, "--vllm-grpc-address") if args.vllm_grpc_address else None
+    gateway_url = _http_url(args.gateway_url, "--gateway-url") if args.gateway_url else None
+    if args.tiny_model and (vllm_grpc_address or gateway_url) and not args.compare:
+        raise ConfigError("--tiny-model starts the servers it measures; --vllm-grpc-address and --gateway-url "
+                          "alone start none (add --compare, or drop --tiny-model)")  # fmt: skip
     argv = sys.argv[1:] if argv is None else argv
     return BenchConfig(
         points=tuple(points),
@@ -208,8 +270,11 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         scrape_interval=args.scrape_interval,
         pin_cpus=args.pin_cpus,
         compare=args.compare,
+        compare_protocol=args.compare_protocol or "all",
         address=args.address,
         metrics_url=args.metrics_url,
+        vllm_grpc_address=vllm_grpc_address,
+        gateway_url=gateway_url,
         output_dir=args.output_dir,
         prompts_file=str(args.prompts_file) if args.prompts_file else None,
         prompts_file_sha256=digest,

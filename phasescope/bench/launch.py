@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes.util
+import json
 import os
 import sys
 import urllib.request
@@ -10,8 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from phasescope.bench.config import BenchConfig
-from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, free_port
-from phasescope.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget
+from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, StartError, free_port, health_status
+from phasescope.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget, VllmEngineTarget
+
+ENGINE_PROTOCOL_SERVICE = "vllm.grpc.engine.VllmEngine"
+"""vLLM's engine protocol, by its gRPC service name (its readiness in grpc.health.v1)."""
+WARMUP_ENV = "SMG_VLLM_SERVICER_WARMUP"
+"""smg-grpc-servicer's planned warm-up of vLLM's gRPC worker (`off`, `fast`, `full`, a budget in seconds)."""
 
 
 @dataclass
@@ -76,6 +82,70 @@ def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tu
 
     server.wait_until(healthy, "vLLM's OpenAI server")
     return server, OpenAITarget(base, settings.served_name, server.process.pid, api)
+
+
+def start_vllm_grpc(
+    settings: EngineSettings, out: Path, api: str = "prompt"
+) -> tuple[ManagedProcess, VllmEngineTarget]:
+    """vLLM's own gRPC worker (`vllm.entrypoints.launchers.grpc_server`, smg-grpc-servicer's VllmEngine over
+    AsyncLLM) on the engine settings of `start_openai`, its log in `out`; ready once its grpc.health.v1 says
+    the engine service is SERVING (NOT_SERVING until the engine answers and any planned warm-up is done: off
+    here unless $SMG_VLLM_SERVICER_WARMUP says otherwise)."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "vllm.entrypoints.launchers.grpc_server", "--model", settings.model,
+        "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
+        "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
+        "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
+        "--host", "127.0.0.1", "--port", str(port), "--stream-interval", str(settings.stream_interval),
+    ]  # fmt: skip
+    # The servicer's planned warm-up (up to 300 s of shapes before SERVING) off unless the caller's environment
+    # asks for it: no other target has one, and the bench's --warmup requests warm every target alike.
+    warmup = {WARMUP_ENV: os.environ.get(WARMUP_ENV, "off")}
+    env = {"VLLM_LOGGING_LEVEL": "WARNING", **warmup, **allocator_env()}
+    server = ManagedProcess(command, out / "vllm-grpc.log", env=env)
+    address = f"127.0.0.1:{port}"
+    server.wait_until(lambda: health_status(address, ENGINE_PROTOCOL_SERVICE) == "SERVING", "vLLM's gRPC worker")
+    return server, VllmEngineTarget(address, "vllm-grpc", settings.model, pid=server.process.pid, api=api)
+
+
+def phasescope_engine_target(
+    address: str, metrics_url: str | None, pid: int | None, tokenizer: str, api: str = "prompt"
+) -> VllmEngineTarget:
+    """phasescope over vLLM's engine protocol: the same server (port, /metrics, pid) as its phasescope.v1 target."""
+    return VllmEngineTarget(address, "phasescope-vllm-grpc", tokenizer, pid=pid, api=api, metrics_url=metrics_url)
+
+
+def endpoint_tokenizer(address: str, timeout: float = 10.0) -> str:
+    """Where a running VllmEngine endpoint's tokenizer is, as its GetModelInfo reports it (tokenizer_path, else
+    model_path); StartError when it cannot say."""
+    import grpc
+    from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        stub = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        try:
+            info = stub.GetModelInfo(vllm_engine_pb2.GetModelInfoRequest(), timeout=timeout)
+        except grpc.RpcError as exc:
+            raise StartError(f"--vllm-grpc-address {address}: GetModelInfo failed ({exc.code().name}); "
+                             "give --model for its tokenizer") from exc  # fmt: skip
+    path = str(info.tokenizer_path or info.model_path)
+    if not path:
+        raise StartError(f"--vllm-grpc-address {address}: GetModelInfo names no tokenizer; give --model")
+    return path
+
+
+def open_gateway(url: str, api: str = "prompt", timeout: float = 10.0) -> OpenAITarget:
+    """A running OpenAI-compatible gateway (smg's, say) at `url`: the first model its /v1/models lists. No process
+    of ours (CPU None) and no /metrics read (a gateway's metrics are its own, elsewhere)."""
+    try:
+        with urllib.request.urlopen(f"{url}/v1/models", timeout=timeout) as response:
+            models = [model["id"] for model in json.loads(response.read())["data"]]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise StartError(f"--gateway-url {url}: /v1/models did not answer with a model list ({exc})") from exc
+    if not models:
+        raise StartError(f"--gateway-url {url}: /v1/models lists no model (no worker registered yet?)")
+    return OpenAITarget(url, models[0], None, api, name="gateway", scrape=False)
 
 
 def start_in_process(settings: EngineSettings, api: str = "prompt") -> InProcessTarget:

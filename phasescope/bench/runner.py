@@ -1,9 +1,12 @@
 """A bench run from the command line's arguments: the targets, the sweep or search, and what it writes.
 
 Every process the run starts is stopped when it ends, however it ends (an exit stack, and
-`phasescope.bench.harness` stops a server's whole process group). With `--compare` the three
-targets run side by side (each its own engine, idle while another is measured) so that
-points can be interleaved across them.
+`phasescope.bench.harness` stops a server's whole process group). With `--compare` the
+targets run side by side (each server its own engine, idle while another is measured) so that
+points can be interleaved across them, in this order: in-process, vllm-openai, phasescope (the
+phasescope.v1 set), vllm-grpc, phasescope-vllm-grpc (the engine-protocol pair: vLLM's gRPC worker,
+and the same phasescope server over vLLM's engine protocol), then any running endpoint named by
+`--vllm-grpc-address` (vllm-grpc-endpoint) or `--gateway-url` (gateway).
 """
 
 from __future__ import annotations
@@ -21,12 +24,22 @@ from typing import Any
 
 from phasescope.bench.config import BenchConfig, ConfigError, from_args
 from phasescope.bench.harness import StartError, stop_on_sigterm, write_results
-from phasescope.bench.launch import EngineSettings, default_settings, start_in_process, start_openai, start_phasescope
+from phasescope.bench.launch import (
+    EngineSettings,
+    default_settings,
+    endpoint_tokenizer,
+    open_gateway,
+    phasescope_engine_target,
+    start_in_process,
+    start_openai,
+    start_phasescope,
+    start_vllm_grpc,
+)
 from phasescope.bench.loop import Bench
 from phasescope.bench.plots import plot
 from phasescope.bench.report import print_tables, write_report
 from phasescope.bench.summary import FORMULAS, ratios
-from phasescope.bench.targets import PhasescopeTarget, Target
+from phasescope.bench.targets import PhasescopeTarget, Target, VllmEngineTarget
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 from phasescope.telemetry.hardware.probe import cpu_name
 
@@ -39,9 +52,11 @@ RESULTS_FILE = "bench.json.gz"
 async def _targets(
     config: BenchConfig, settings: EngineSettings | None, stack: contextlib.AsyncExitStack
 ) -> list[Target]:
-    """Start what is measured (in-process and OpenAI only with --compare); each is stopped by `stack`."""
+    """Start what is measured (the peers only with --compare); each is stopped by `stack`."""
     targets: list[Target] = []
-    if config.compare:
+    v1_set = not config.compare or config.compare_protocol in ("all", "phasescope")
+    engine_pair = config.compare and config.compare_protocol in ("all", "engine")
+    if config.compare and v1_set:
         assert settings is not None
         in_process = start_in_process(settings, config.api)
         stack.push_async_callback(in_process.close)
@@ -50,16 +65,38 @@ async def _targets(
         stack.callback(server.stop)
         stack.push_async_callback(openai.close)
         targets.append(openai)
-    if config.address:
-        ours = PhasescopeTarget(config.address, config.metrics_url, None, config.api, config.token_ids_only)
-    else:
-        assert settings is not None
-        phasescope, ours = start_phasescope(
-            settings, config.output_dir / "phasescope.log", api=config.api, token_ids_only=config.token_ids_only
-        )
-        stack.callback(phasescope.stop)
-    stack.push_async_callback(ours.close)
-    targets.append(ours)
+    if config.measures_phasescope:
+        pid = None
+        if config.address:
+            ours = PhasescopeTarget(config.address, config.metrics_url, None, config.api, config.token_ids_only)
+        else:
+            assert settings is not None
+            phasescope, ours = start_phasescope(
+                settings, config.output_dir / "phasescope.log", api=config.api, token_ids_only=config.token_ids_only
+            )
+            stack.callback(phasescope.stop)
+            pid = phasescope.process.pid
+        stack.push_async_callback(ours.close)
+        if v1_set:
+            targets.append(ours)
+        if engine_pair:
+            assert settings is not None
+            worker, vllm_grpc = start_vllm_grpc(settings, config.output_dir, config.api)
+            stack.callback(worker.stop)
+            stack.push_async_callback(vllm_grpc.close)
+            targets.append(vllm_grpc)
+            ours_engine = phasescope_engine_target(ours.address, ours.metrics_url, pid, settings.model, config.api)
+            stack.push_async_callback(ours_engine.close)
+            targets.append(ours_engine)
+    if config.vllm_grpc_address:
+        tokenizer = config.model or endpoint_tokenizer(config.vllm_grpc_address)
+        endpoint = VllmEngineTarget(config.vllm_grpc_address, "vllm-grpc-endpoint", tokenizer, api=config.api)
+        stack.push_async_callback(endpoint.close)
+        targets.append(endpoint)
+    if config.gateway_url:
+        gateway = open_gateway(config.gateway_url, config.api)
+        stack.push_async_callback(gateway.close)
+        targets.append(gateway)
     return targets
 
 
@@ -93,8 +130,8 @@ def machine() -> dict[str, Any]:
 async def run(config: BenchConfig) -> dict[str, Any]:
     config.output_dir.mkdir(parents=True, exist_ok=True)
     started = datetime.datetime.now(datetime.UTC)
-    # The engine settings of what this run starts; a server at --address has its own.
-    settings = default_settings(config) if config.compare or not config.address else None
+    # The engine settings of what this run starts; a server at --address (or any endpoint named) has its own.
+    settings = default_settings(config) if config.starts_servers else None
     async with contextlib.AsyncExitStack() as stack:
         bench = Bench(config, await _targets(config, settings, stack))
         if config.pin_cpus:

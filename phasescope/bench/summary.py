@@ -71,22 +71,35 @@ def summarize(records: list[RequestRecord], duration: float) -> dict[str, Any]:
     return summary
 
 
+# Each phasescope target and the peers it is compared with, point by point.
+_PEERS = {
+    "phasescope": ("in-process", "vllm-openai"),
+    "phasescope-vllm-grpc": ("vllm-grpc",),
+}
+
+
 def ratios(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """phasescope ÷ in-process and ÷ vLLM's OpenAI server, per point."""
+    """Each phasescope target ÷ its peers, per point: phasescope.v1 ÷ in-process and ÷ vLLM's OpenAI server,
+    and phasescope over vLLM's engine protocol ÷ vLLM's own gRPC worker."""
     table = []
     by = {(r["target"], r["load"], r["value"]): r for r in results}
     for (target, load, value), ours in sorted(by.items()):
-        if target != "phasescope":
+        peers = _PEERS.get(target)
+        if peers is None:
             continue
-        row: dict[str, Any] = {"load": load, "value": value}
-        for other in ("in-process", "vllm-openai"):
+        row: dict[str, Any] = {"target": target, "load": load, "value": value}
+        cpu = ours.get("frontend_cpu_seconds_per_1k_tokens")
+        for other in peers:
             theirs = by.get((other, load, value))
-            if theirs and theirs["output_throughput"]:
+            if not theirs:
+                continue
+            if theirs["output_throughput"]:
                 row[f"throughput_vs_{other}"] = ours["output_throughput"] / theirs["output_throughput"]
                 row[f"median_ttft_ms_minus_{other}"] = ours["median_ttft_ms"] - theirs["median_ttft_ms"]
-        cpu = ours.get("frontend_cpu_seconds_per_1k_tokens")
-        openai = by.get(("vllm-openai", load, value), {}).get("frontend_cpu_seconds_per_1k_tokens")
-        if cpu is not None and openai:
-            row["frontend_cpu_vs_vllm-openai"] = cpu / openai
+            if theirs["median_ttft_ms"]:
+                row[f"median_ttft_vs_{other}"] = ours["median_ttft_ms"] / theirs["median_ttft_ms"]
+            their_cpu = theirs.get("frontend_cpu_seconds_per_1k_tokens")
+            if cpu is not None and their_cpu:
+                row[f"frontend_cpu_vs_{other}"] = cpu / their_cpu
         table.append(row)
     return table

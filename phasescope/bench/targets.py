@@ -1,16 +1,19 @@
-"""What a sweep streams from: phasescope over gRPC, vLLM's OpenAI server over HTTP, vLLM's AsyncLLM in this process.
+"""What a sweep streams from: phasescope over gRPC, vLLM's engine protocol over gRPC, an OpenAI server over HTTP
+(vLLM's, or a gateway's), vLLM's AsyncLLM in this process.
 
 Each target fills a `RequestRecord` with the arrival time of every token and
 reports the CPU seconds of its serving front-end process (None when there is
 no separate process to measure). `api` is `prompt` (a completion) or `chat` (the
 prompt as one user message, through the model's chat template: phasescope's
-`Chat` input, vLLM's `/v1/chat/completions`, the tokenizer's template in process).
+`Chat` input, vLLM's `/v1/chat/completions`, the tokenizer's template in process and
+for the engine protocol, whose requests carry token ids).
 """
 
 from __future__ import annotations
 
 import json
 import time
+import uuid
 from typing import Any, Protocol
 
 from phasescope.bench.workload import BenchRequest, RequestRecord
@@ -85,12 +88,23 @@ class PhasescopeTarget:
 
 
 class OpenAITarget:
-    def __init__(self, base_url: str, model: str, pid: int | None, api: str = "prompt") -> None:
+    """An OpenAI-compatible server over HTTP: vLLM's (`/metrics` read during a run), or a gateway's (`scrape` off)."""
+
+    def __init__(
+        self,
+        base_url: str,
+        model: str,
+        pid: int | None,
+        api: str = "prompt",
+        *,
+        name: str = "vllm-openai",
+        scrape: bool = True,
+    ) -> None:
         import aiohttp
 
-        self.name = "vllm-openai"
+        self.name = name
         self.metrics_url: str | None = None
-        self.scrape_url: str | None = f"{base_url}/metrics"
+        self.scrape_url: str | None = f"{base_url}/metrics" if scrape else None
         self.api = api
         self._url = f"{base_url}/v1/chat/completions" if api == "chat" else f"{base_url}/v1/completions"
         self._model = model
@@ -143,6 +157,100 @@ class OpenAITarget:
 
     async def close(self) -> None:
         await self._session.close()
+
+
+class Tokenizer(Protocol):
+    """What the engine-protocol target needs of a tokenizer (a transformers tokenizer has both)."""
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def apply_chat_template(self, conversation: list[dict[str, str]], *, tokenize: bool,
+                            add_generation_prompt: bool) -> Any: ...  # fmt: skip
+
+
+def load_tokenizer(model_path: str) -> Tokenizer:
+    """The model's tokenizer as the engine loads it (transformers' AutoTokenizer over the model folder)."""
+    from transformers import AutoTokenizer
+
+    tokenizer: Tokenizer = AutoTokenizer.from_pretrained(model_path)
+    return tokenizer
+
+
+class VllmEngineTarget:
+    """vLLM's engine protocol (`vllm.grpc.engine.VllmEngine`) at any endpoint: phasescope's or vLLM's own worker.
+
+    Each request is sent as the smg gateway sends it: the prompt tokenised here once (for `chat`, through the
+    chat template and then without added special tokens, as the engines render a chat), `TokenizedInput`
+    ids in, greedy `ignore_eos` sampling, `stream=True` and a request id of its own. The stream is a chunk per
+    engine step (that step's new token ids: k ids are k tokens arriving together), then a `GenerateComplete`
+    that repeats the last step's ids with the finish reason: tokens are counted from the chunks only. The
+    tokenisation is in the request's TTFT, as a gateway's is (tens of microseconds for the bench's prompts).
+    """
+
+    def __init__(
+        self,
+        address: str,
+        name: str,
+        tokenizer: str | Tokenizer,
+        *,
+        pid: int | None = None,
+        api: str = "prompt",
+        metrics_url: str | None = None,
+    ) -> None:
+        """`tokenizer`: a model folder (loaded here, once) or a loaded tokenizer; `metrics_url`: the server's
+        /metrics when it has one (phasescope's), read during a run as for the other targets."""
+        import grpc
+        from smg_grpc_proto.generated import vllm_engine_pb2_grpc
+
+        self.name = name
+        self.api = api
+        self.address = address
+        self.metrics_url = self.scrape_url = metrics_url
+        self._pid = pid
+        self._tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self._channel = grpc.aio.insecure_channel(address)
+        self._stub = vllm_engine_pb2_grpc.VllmEngineStub(self._channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+
+    def token_ids(self, request: BenchRequest) -> list[int]:
+        """The request's prompt as the engine would tokenise it."""
+        if self.api == "chat":
+            messages = [{"role": "user", "content": request.prompt}]
+            rendered = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            # The template already wrote the special tokens; encoding must not add more.
+            return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
+        return list(self._tokenizer.encode(request.prompt))
+
+    async def stream(self, request: BenchRequest, record: RequestRecord) -> None:
+        from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+
+        message = pb.GenerateRequest(
+            request_id=f"bench-{request.index}-{uuid.uuid4().hex}",
+            tokenized=pb.TokenizedInput(input_ids=self.token_ids(request)),
+            sampling_params=pb.SamplingParams(max_tokens=request.max_tokens, temperature=0.0, ignore_eos=True),
+            stream=True,
+        )
+        finish_reason: str | None = None
+        call: Any = self._stub.Generate(message, timeout=600)
+        async for response in call:
+            now = time.perf_counter()
+            if response.HasField("chunk"):
+                chunk = response.chunk
+                record.token_times.extend([now] * len(chunk.token_ids))
+                record.output_tokens += len(chunk.token_ids)
+                record.prompt_tokens = chunk.prompt_tokens or record.prompt_tokens
+            elif response.HasField("complete"):
+                record.prompt_tokens = response.complete.prompt_tokens or record.prompt_tokens
+                finish_reason = response.complete.finish_reason
+        if finish_reason is None:
+            raise RuntimeError("the stream ended without a GenerateComplete")
+        if finish_reason in ("abort", "error"):
+            raise RuntimeError(f"the request ended with finish reason {finish_reason!r}")
+
+    def frontend_cpu_seconds(self) -> float | None:
+        return _cpu(self._pid)
+
+    async def close(self) -> None:
+        await self._channel.close()
 
 
 class InProcessTarget:

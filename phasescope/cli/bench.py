@@ -21,8 +21,9 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         description="Seeded concurrency and Poisson-rate sweeps against phasescope (started here unless --address): "
         "goodput under --slo, --sla-search for the highest load that meets it, --repeats with their spread, a rate "
         "sweep that stops once the server is over-saturated, the server's bandwidth saturation, compute use and "
-        "verdicts per point, and a Markdown report with plots. --compare adds AsyncLLM in-process and vLLM's "
-        "OpenAI server on the same workload, interleaved point by point.",
+        "verdicts per point, and a Markdown report with plots. --compare adds AsyncLLM in-process, vLLM's "
+        "OpenAI server, vLLM's gRPC worker and phasescope over vLLM's engine protocol on the same workload, "
+        "interleaved point by point; --vllm-grpc-address and --gateway-url measure running endpoints too.",
     )
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="1,4,16", help="closed-loop points, comma-separated (default 1,4,16)")
@@ -123,7 +124,31 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     target.add_argument(
         "--compare",
         action="store_true",
-        help="also run in-process AsyncLLM and vLLM's OpenAI server (all three started at once)",
+        help="also run in-process AsyncLLM, vLLM's OpenAI server and vLLM's gRPC worker (vllm-grpc), and "
+        "phasescope over vLLM's engine protocol (phasescope-vllm-grpc, the same server as phasescope): all "
+        "started at once, on the same engine settings (--compare-protocol narrows it)",
+    )
+    target.add_argument(
+        "--compare-protocol",
+        choices=("all", "phasescope", "engine"),
+        help="with --compare, what is compared: phasescope (in-process, vllm-openai and phasescope over "
+        "phasescope.v1: --compare before the engine protocol), engine (vllm-grpc and phasescope-vllm-grpc, "
+        "vllm.grpc.engine.VllmEngine on both servers), or all (the five; default). all runs each point on "
+        "five targets where either of the others runs it on three or two, so it takes that much longer",
+    )
+    target.add_argument(
+        "--vllm-grpc-address",
+        help="a running vllm.grpc.engine.VllmEngine endpoint (host:port; vLLM's gRPC worker or phasescope), "
+        "measured too as vllm-grpc-endpoint; nothing is started for it. Its tokenizer (the bench sends token "
+        "ids, as the smg gateway does): --model when given, else what its GetModelInfo names. Without "
+        "--compare or --address no phasescope is started: the named endpoints alone are measured",
+    )
+    target.add_argument(
+        "--gateway-url",
+        help="a running OpenAI-compatible gateway (http://host:port, the smg gateway say) measured too as "
+        "gateway, over /v1/completions or /v1/chat/completions with the first model of its /v1/models; nothing "
+        "is started for it, and it has no front-end CPU figure. Without --compare or --address no phasescope "
+        "is started",
     )
     target.add_argument("--model", default="", help="model folder (default: the embedded default)")
     target.add_argument(

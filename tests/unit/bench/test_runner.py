@@ -1,5 +1,8 @@
-"""What a bench run writes: its raw results gzipped, from the typed configuration (the targets faked)."""
+"""What a bench run writes: its raw results gzipped, from the typed configuration (the targets faked); which
+targets the flags start and measure, in order (the servers faked)."""
 
+import asyncio
+import contextlib
 import gzip
 import json
 from pathlib import Path
@@ -8,7 +11,8 @@ from typing import Any
 import pytest
 
 from phasescope.bench import runner
-from phasescope.bench.config import BenchConfig
+from phasescope.bench.config import BenchConfig, from_args
+from phasescope.bench.launch import EngineSettings
 from phasescope.cli.main import build_parser
 
 
@@ -33,3 +37,114 @@ def test_the_raw_results_are_written_as_gzipped_json(tmp_path: Path, monkeypatch
     assert results["machine"]["cpu"]
     assert not (tmp_path / "bench.json").exists()
     assert "[bench.json.gz](bench.json.gz)" in (tmp_path / "report.md").read_text()
+
+
+class FakeTarget:
+    def __init__(self, name: str, log: list[tuple[str, str]], **seen: Any) -> None:
+        self.name = name
+        self.log = log
+        self.seen = seen
+        self.address = seen.get("address", f"{name}:1")
+        self.metrics_url = seen.get("metrics_url")
+
+    async def close(self) -> None:
+        self.log.append(("close", self.name))
+
+
+class FakeServer:
+    def __init__(self, name: str, log: list[tuple[str, str]], pid: int = 0) -> None:
+        self.name = name
+        self.log = log
+        self.process = type("Process", (), {"pid": pid})()
+        log.append(("start", name))
+
+    def stop(self) -> int:
+        self.log.append(("stop", self.name))
+        return 0
+
+
+SETTINGS = EngineSettings("/models/m", "m", "float32", 2048, 2.0, 64)
+
+
+def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> tuple[list[Any], list[tuple[str, str]]]:
+    """The targets a run of `flags` measures, in order, each server started faked; and what was started,
+    stopped and closed (the exit stack unwound)."""
+    log: list[tuple[str, str]] = []
+
+    def pair(name: str, target: str, pid: int = 0) -> tuple[FakeServer, FakeTarget]:
+        return FakeServer(name, log, pid), FakeTarget(target, log)
+
+    monkeypatch.setattr(runner, "start_in_process", lambda settings, api: FakeTarget("in-process", log))
+    monkeypatch.setattr(runner, "start_openai", lambda settings, out, api: pair("openai", "vllm-openai"))
+    monkeypatch.setattr(runner, "start_vllm_grpc", lambda settings, out, api: pair("vllm-grpc-worker", "vllm-grpc"))
+    monkeypatch.setattr(
+        runner, "start_phasescope",
+        lambda settings, path, api, token_ids_only: (
+            FakeServer("phasescope-server", log, pid=42),
+            FakeTarget("phasescope", log, address="127.0.0.1:7", metrics_url="http://127.0.0.1:8/metrics"),
+        ),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        runner, "PhasescopeTarget",
+        lambda address, metrics_url, pid, api, token_ids_only: FakeTarget("phasescope", log, address=address,
+                                                                          metrics_url=metrics_url),
+    )  # fmt: skip
+    monkeypatch.setattr(
+        runner, "phasescope_engine_target",
+        lambda address, metrics_url, pid, tokenizer, api: FakeTarget(
+            "phasescope-vllm-grpc", log, address=address, metrics_url=metrics_url, pid=pid, tokenizer=tokenizer),
+    )  # fmt: skip
+    monkeypatch.setattr(runner, "endpoint_tokenizer", lambda address: f"tokenizer of {address}")
+    monkeypatch.setattr(
+        runner,
+        "VllmEngineTarget",
+        lambda address, name, tokenizer, api: FakeTarget(name, log, address=address, tokenizer=tokenizer),
+    )
+    monkeypatch.setattr(runner, "open_gateway", lambda url, api: FakeTarget("gateway", log, address=url))
+    argv = ["bench", "--output-dir", str(tmp_path), *flags]
+    config = from_args(build_parser().parse_args(argv), argv)
+
+    async def started() -> list[Any]:
+        async with contextlib.AsyncExitStack() as stack:
+            return await runner._targets(config, SETTINGS if config.starts_servers else None, stack)
+
+    return asyncio.run(started()), log
+
+
+def test_compare_adds_the_engine_protocol_pair_after_todays_three(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    targets, log = targets_of(monkeypatch, tmp_path, "--compare")
+    assert [t.name for t in targets] == ["in-process", "vllm-openai", "phasescope", "vllm-grpc",
+                                         "phasescope-vllm-grpc"]  # fmt: skip
+    phasescope, engine = targets[2], targets[4]
+    # The same phasescope server over both protocols: its address, /metrics and pid; the run's model's tokenizer.
+    assert engine.seen == {"address": phasescope.address, "metrics_url": phasescope.metrics_url, "pid": 42,
+                           "tokenizer": SETTINGS.model}  # fmt: skip
+    started = [name for event, name in log if event == "start"]
+    assert sorted(started) == sorted(name for event, name in log if event == "stop")
+    assert sorted(t.name for t in targets) == sorted(name for event, name in log if event == "close")
+
+
+def test_compare_protocol_narrows_the_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    targets, _ = targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "phasescope")
+    assert [t.name for t in targets] == ["in-process", "vllm-openai", "phasescope"]
+    targets, log = targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "engine")
+    assert [t.name for t in targets] == ["vllm-grpc", "phasescope-vllm-grpc"]
+    # phasescope's server serves the pair's second half; its phasescope.v1 target is closed unmeasured.
+    assert ("stop", "phasescope-server") in log
+    assert ("close", "phasescope") in log
+
+
+def test_named_endpoints_are_measured_as_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    flags = ("--vllm-grpc-address", "127.0.0.1:9", "--gateway-url", "http://127.0.0.1:10")
+    targets, log = targets_of(monkeypatch, tmp_path, *flags)
+    assert [t.name for t in targets] == ["vllm-grpc-endpoint", "gateway"]
+    assert not [event for event in log if event[0] == "start"]  # nothing started
+    assert targets[0].seen == {"address": "127.0.0.1:9", "tokenizer": "tokenizer of 127.0.0.1:9"}
+    assert targets[1].address == "http://127.0.0.1:10"
+    targets, _ = targets_of(monkeypatch, tmp_path, *flags, "--model", "/models/other", "--address", "127.0.0.1:7")
+    assert [t.name for t in targets] == ["phasescope", "vllm-grpc-endpoint", "gateway"]
+    assert targets[1].seen["tokenizer"] == "/models/other"
+    targets, _ = targets_of(monkeypatch, tmp_path)
+    assert [t.name for t in targets] == ["phasescope"]

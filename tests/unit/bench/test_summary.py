@@ -57,3 +57,19 @@ def test_ratios_set_phasescope_beside_the_other_targets_at_the_same_point() -> N
     assert row["throughput_vs_in-process"] == pytest.approx(0.9)
     assert row["median_ttft_ms_minus_vllm-openai"] == pytest.approx(5.0)
     assert row["frontend_cpu_vs_vllm-openai"] == pytest.approx(0.08 / 0.06)
+
+
+def test_phasescope_over_the_engine_protocol_is_set_beside_vllms_own_grpc_worker() -> None:
+    point = {"load": "concurrency", "value": 64.0}
+    results = [
+        {**point, "target": "phasescope-vllm-grpc", "output_throughput": 2100.0, "median_ttft_ms": 210.0,
+         "frontend_cpu_seconds_per_1k_tokens": 0.07},
+        {**point, "target": "vllm-grpc", "output_throughput": 2000.0, "median_ttft_ms": 200.0,
+         "frontend_cpu_seconds_per_1k_tokens": 0.08},
+    ]  # fmt: skip
+    (row,) = ratios(results)
+    assert row["target"] == "phasescope-vllm-grpc"
+    assert row["throughput_vs_vllm-grpc"] == pytest.approx(1.05)
+    assert row["median_ttft_vs_vllm-grpc"] == pytest.approx(1.05)
+    assert row["frontend_cpu_vs_vllm-grpc"] == pytest.approx(0.875)
+    assert "throughput_vs_in-process" not in row

@@ -1,0 +1,77 @@
+"""The targets' flags through the real parser: --compare-protocol, --vllm-grpc-address, --gateway-url."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from phasescope.bench.config import BenchConfig, ConfigError, from_args
+from phasescope.cli.main import build_parser
+
+
+def config(tmp_path: Path, *flags: str) -> BenchConfig:
+    argv = ["bench", "--output-dir", str(tmp_path), *flags]
+    return from_args(build_parser().parse_args(argv), argv)
+
+
+def test_compare_compares_both_protocols_unless_narrowed(tmp_path: Path) -> None:
+    plain = config(tmp_path, "--compare")
+    assert plain.compare_protocol == "all"
+    assert plain.parameters()["compare_protocol"] == "all"
+    for choice in ("all", "phasescope", "engine"):
+        narrowed = config(tmp_path, "--compare", "--compare-protocol", choice)
+        assert narrowed.compare_protocol == choice
+        assert narrowed.starts_phasescope
+        assert narrowed.starts_servers
+    assert config(tmp_path).parameters()["compare_protocol"] is None  # nothing compared
+
+
+def test_compare_protocol_needs_compare_and_one_of_its_choices(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"--compare-protocol.*--compare"):
+        config(tmp_path, "--compare-protocol", "engine")
+    with pytest.raises(SystemExit):
+        config(tmp_path, "--compare", "--compare-protocol", "openai")
+
+
+def test_a_vllm_grpc_address_is_host_and_port(tmp_path: Path) -> None:
+    assert config(tmp_path, "--vllm-grpc-address", "127.0.0.1:50051").vllm_grpc_address == "127.0.0.1:50051"
+    assert config(tmp_path, "--vllm-grpc-address", "[::1]:50051").vllm_grpc_address == "[::1]:50051"
+    for wrong in ("127.0.0.1", ":50051", "localhost:port", "localhost:0", "localhost:70000"):
+        with pytest.raises(ConfigError, match="--vllm-grpc-address"):
+            config(tmp_path, "--vllm-grpc-address", wrong)
+
+
+def test_a_gateway_url_is_http_without_its_trailing_slash(tmp_path: Path) -> None:
+    assert config(tmp_path, "--gateway-url", "http://127.0.0.1:30000/").gateway_url == "http://127.0.0.1:30000"
+    assert config(tmp_path, "--gateway-url", "https://gw.example").gateway_url == "https://gw.example"
+    for wrong in ("127.0.0.1:30000", "grpc://127.0.0.1:1", "http://"):
+        with pytest.raises(ConfigError, match="--gateway-url"):
+            config(tmp_path, "--gateway-url", wrong)
+
+
+def test_named_endpoints_alone_start_nothing_and_are_written_into_the_results(tmp_path: Path) -> None:
+    alone = config(tmp_path, "--vllm-grpc-address", "127.0.0.1:1", "--gateway-url", "http://127.0.0.1:2")
+    assert alone.external
+    assert not alone.starts_phasescope
+    assert not alone.measures_phasescope
+    assert not alone.starts_servers
+    assert alone.parameters()["vllm_grpc_address"] == "127.0.0.1:1"
+    assert alone.parameters()["gateway_url"] == "http://127.0.0.1:2"
+    beside = config(tmp_path, "--gateway-url", "http://127.0.0.1:2", "--address", "127.0.0.1:3")
+    assert beside.measures_phasescope
+    assert not beside.starts_phasescope
+    assert not beside.starts_servers
+    compared = config(tmp_path, "--gateway-url", "http://127.0.0.1:2", "--compare", "--tiny-model")
+    assert compared.starts_phasescope
+    assert compared.starts_servers
+    default = config(tmp_path)
+    assert not default.external
+    assert default.starts_phasescope
+
+
+def test_the_tiny_model_needs_something_started(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="--tiny-model"):
+        config(tmp_path, "--tiny-model", "--vllm-grpc-address", "127.0.0.1:1")
+    with pytest.raises(ConfigError, match="--tiny-model"):
+        config(tmp_path, "--tiny-model", "--gateway-url", "http://127.0.0.1:2")
