@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import tomllib
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
 import pytest
 import yaml
 
+from phasescope.engine.default_model import DEFAULT_MODEL_NAME
+from phasescope.serve.config import Settings
 from support.prometheus import render_adapter_query
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -22,6 +27,12 @@ OVERLAYS = ("cpu", "gpu", "multi-gpu")
 BIN = Path(sys.executable).parent
 KEDA = DEPLOY / "k8s/autoscaling/keda"
 ADAPTER_RULES = DEPLOY / "k8s/autoscaling/prometheus-adapter-rules.yaml"
+COMPOSE = DEPLOY / "compose/docker-compose.yml"
+# The rendered objects: the workers' (the base) and the gateway's (the gateway component).
+WORKER = "phasescope"
+GATEWAY = "phasescope-gateway"
+# The console script the smg wheel installs, which the gateway containers run.
+GATEWAY_SCRIPT = "smg"
 
 
 def tool(name: str) -> str:
@@ -96,8 +107,14 @@ def test_overlay_renders_and_validates_against_the_kubernetes_schemas(overlay: s
     validate(documents, tmp_path / f"{overlay}.yaml")
 
 
-def deployment(overlay: str) -> dict[str, Any]:
-    return next(doc for doc in render(overlay) if doc["kind"] == "Deployment")
+def named(documents: list[dict[str, Any]], kind: str, name: str) -> dict[str, Any]:
+    found = [doc for doc in documents if doc["kind"] == kind and doc["metadata"]["name"] == name]
+    assert len(found) == 1, f"{len(found)} {kind} named {name}"
+    return found[0]
+
+
+def deployment(overlay: str, name: str = WORKER) -> dict[str, Any]:
+    return named(render(overlay), "Deployment", name)
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
@@ -127,7 +144,7 @@ def test_gpu_requests_equal_limits(overlay: str, gpus: str) -> None:
 
 
 def test_service_names_its_ports() -> None:
-    service = next(doc for doc in render("cpu") if doc["kind"] == "Service")
+    service = named(render("cpu"), "Service", WORKER)
     assert {port["name"]: port["port"] for port in service["spec"]["ports"]} == {"grpc": 50051, "metrics": 9400}
 
 
@@ -198,7 +215,7 @@ def test_keda_overlay_replaces_the_hpa_with_a_scaled_object_on_the_same_signals(
     # ScaledObject is KEDA's custom resource, which kubernetes-validate has no schema for: its shape here.
     assert scaler["apiVersion"] == "keda.sh/v1alpha1"
     target = scaler["spec"]["scaleTargetRef"]
-    deployment_name = next(doc for doc in documents if doc["kind"] == "Deployment")["metadata"]["name"]
+    deployment_name = named(documents, "Deployment", WORKER)["metadata"]["name"]
     assert (target.get("apiVersion", "apps/v1"), target.get("kind", "Deployment"), target["name"]) == (
         "apps/v1",
         "Deployment",
@@ -241,9 +258,13 @@ def test_the_keda_component_composes_with_every_overlay(overlay: str, tmp_path: 
             }
         )
     )
-    kinds = [doc["kind"] for doc in render_folder(folder)]
+    documents = render_folder(folder)
+    kinds = [doc["kind"] for doc in documents]
     assert "HorizontalPodAutoscaler" not in kinds
-    assert kinds.count("ScaledObject") == kinds.count("Deployment") == 1
+    assert kinds.count("ScaledObject") == 1
+    # It scales the workers; the gateway keeps its own replica count.
+    assert {doc["metadata"]["name"] for doc in documents if doc["kind"] == "Deployment"} == {WORKER, GATEWAY}
+    assert scaled_object(documents)["spec"]["scaleTargetRef"]["name"] == WORKER
 
 
 def autoscaling_queries() -> dict[str, str]:
@@ -293,3 +314,248 @@ def test_every_path_a_dockerfile_copies_exists_and_the_package_is_among_them(doc
     assert "phasescope" in copied
     missing = [source for source in copied if not (ROOT / source).exists()]
     assert not missing, f"{dockerfile.name} copies paths that are not in the tree: {missing}"
+
+
+# The smg gateway: the fleet's front door, in compose and in every overlay.
+
+
+def launch_flags(args: list[str]) -> dict[str, list[str]]:
+    """`smg launch`'s arguments as flag -> values: `--flag=value`, `--flag value ...` and bare
+    switches (no values); a repeated flag extends its values, as smg's launcher reads them."""
+    assert args[:1] == ["launch"], args
+    flags: dict[str, list[str]] = {}
+    current = None
+    for arg in args[1:]:
+        if arg.startswith("--"):
+            current, has_value, value = arg.partition("=")
+            flags.setdefault(current, [])
+            if has_value:
+                flags[current].append(value)
+        else:
+            assert current is not None, f"{arg} follows no flag"
+            flags[current].append(arg)
+    return flags
+
+
+def serve_flag(args: list[str], name: str) -> str | None:
+    """One `phasescope serve` flag's value, given as `--name=value` or `--name value`."""
+    for index, arg in enumerate(args):
+        if arg.startswith(f"{name}="):
+            return arg.split("=", 1)[1]
+        if arg == name:
+            return args[index + 1]
+    return None
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and selector.items() <= labels.items()
+
+
+def pod_labels(deployment: dict[str, Any]) -> dict[str, str]:
+    return dict(deployment["spec"]["template"]["metadata"]["labels"])
+
+
+def container_port(container: dict[str, Any], name: str) -> int:
+    return int(next(port["containerPort"] for port in container["ports"] if port["name"] == name))
+
+
+def test_the_gateway_is_the_smg_wheels_console_script_and_every_image_installs_it() -> None:
+    scripts = {
+        entry.name: entry.value
+        for entry in importlib.metadata.distribution("smg").entry_points
+        if entry.group == "console_scripts"
+    }
+    assert scripts.get(GATEWAY_SCRIPT) == "smg.cli:main", scripts
+    extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+    assert any(re.fullmatch(r"smg\s*(==.*)?", requirement) for requirement in extras["gateway"]), extras["gateway"]
+    for dockerfile in sorted((DEPLOY / "docker").glob("Dockerfile.*")):
+        installed = re.findall(r"pip install [^&\n]*'\.\[([\w,-]+)\]'", dockerfile.read_text())
+        assert installed, f"{dockerfile.name} does not install the package with extras"
+        assert {"model", "gateway"} <= set(installed[0].split(",")), (dockerfile.name, installed)
+
+
+def gateway_container(documents: list[dict[str, Any]]) -> dict[str, Any]:
+    containers = named(documents, "Deployment", GATEWAY)["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return dict(containers[0])
+
+
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "gpu-keda"])
+def test_the_gateway_discovers_the_worker_pods_by_their_labels_on_their_grpc_port(overlay: str) -> None:
+    documents = render(overlay)
+    workers = named(documents, "Deployment", WORKER)
+    gateway = named(documents, "Deployment", GATEWAY)
+    container = gateway_container(documents)
+    # The workers' image, run as smg instead of `phasescope serve`.
+    worker_container = workers["spec"]["template"]["spec"]["containers"][0]
+    assert container["image"] == worker_container["image"]
+    assert container["command"] == [GATEWAY_SCRIPT]
+    flags = launch_flags(container["args"])
+    assert "--service-discovery" in flags or flags.get("--discovery-provider") == ["kubernetes"], flags
+    assert "--worker-urls" not in flags  # discovered, not listed
+    selector = dict(pair.split("=", 1) for value in flags["--selector"] for pair in value.split())
+    # Exactly the worker pods: every pod of the worker Deployment, and not the gateway's own.
+    assert selects(selector, pod_labels(workers)), (selector, pod_labels(workers))
+    assert not selects(selector, pod_labels(gateway)), (selector, pod_labels(gateway))
+    assert flags["--service-discovery-port"] == [str(container_port(worker_container, "grpc"))]
+    # Its own namespace, from the downward API: the namespaced Role covers it.
+    assert flags["--service-discovery-namespace"] == ["$(POD_NAMESPACE)"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # Routed by the workers' GetLoads; the tokenizer comes from the worker (GetTokenizer) unless
+    # its folder is in the image, so autoload stays on.
+    assert flags["--policy"] == ["least_load"]
+    assert "--disable-tokenizer-autoload" not in flags
+    # Each Service reaches its own pods only.
+    services = {name: named(documents, "Service", name)["spec"]["selector"] for name in (WORKER, GATEWAY)}
+    assert selects(services[GATEWAY], pod_labels(gateway))
+    assert not selects(services[GATEWAY], pod_labels(workers))
+    assert selects(services[WORKER], pod_labels(workers))
+    assert not selects(services[WORKER], pod_labels(gateway))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateways_role_lets_it_list_and_watch_pods_in_its_namespace(overlay: str) -> None:
+    documents = render(overlay)
+    account = named(documents, "Deployment", GATEWAY)["spec"]["template"]["spec"]["serviceAccountName"]
+    named(documents, "ServiceAccount", account)
+    bindings = [
+        doc
+        for doc in documents
+        if doc["kind"] == "RoleBinding"
+        and any(subject["kind"] == "ServiceAccount" and subject["name"] == account for subject in doc["subjects"])
+    ]
+    assert bindings, f"no RoleBinding for {account}"
+    verbs: set[str] = set()
+    for binding in bindings:
+        # A RoleBinding's ServiceAccount subject without a namespace is the binding's own namespace.
+        assert all("namespace" not in subject for subject in binding["subjects"]), binding["subjects"]
+        reference = binding["roleRef"]
+        assert (reference["apiGroup"], reference["kind"]) == ("rbac.authorization.k8s.io", "Role")
+        for rule in named(documents, "Role", reference["name"])["rules"]:
+            if "" in rule["apiGroups"] and "pods" in rule["resources"]:
+                verbs |= set(rule["verbs"])
+    assert {"list", "watch"} <= verbs, verbs
+    # Nothing cluster-wide: discovery watches one namespace.
+    assert not {"ClusterRole", "ClusterRoleBinding"} & {doc["kind"] for doc in documents}
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_gateway_probes_its_own_health_listener_and_serves_http_on_its_service(overlay: str) -> None:
+    documents = render(overlay)
+    pod = named(documents, "Deployment", GATEWAY)["spec"]["template"]["spec"]
+    container = gateway_container(documents)
+    flags = launch_flags(container["args"])
+    health = int(flags["--health-check-port"][0])
+    for probe, path in (("readinessProbe", "/readiness"), ("livenessProbe", "/liveness")):
+        action = container[probe]["httpGet"]
+        port = action["port"] if isinstance(action["port"], int) else container_port(container, action["port"])
+        assert (action["path"], port) == (path, health), probe
+    assert container_port(container, "http") == int(flags["--port"][0])
+    assert container_port(container, "metrics") == int(flags["--prometheus-port"][0])
+    service = named(documents, "Service", GATEWAY)
+    assert {port["name"]: (port["port"], port["targetPort"]) for port in service["spec"]["ports"]} == {
+        "http": (30000, "http"),
+        "metrics": (container_port(container, "metrics"), "metrics"),
+    }
+    assert pod["terminationGracePeriodSeconds"] > int(flags["--shutdown-grace-period-secs"][0])
+    resources = container["resources"]
+    assert resources["requests"]["cpu"]
+    assert resources["limits"]["memory"]
+    assert not any("nvidia.com/gpu" in resources.get(part, {}) for part in ("requests", "limits"))
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_service_is_scraped_by_one_service_monitor_and_every_worker_pod_by_the_base_one(overlay: str) -> None:
+    documents = render(overlay)
+    monitors = [doc for doc in documents if doc["kind"] == "ServiceMonitor"]
+    services = [doc for doc in documents if doc["kind"] == "Service"]
+    for service in services:
+        scraping = [m for m in monitors if selects(m["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])]
+        assert len(scraping) == 1, (service["metadata"]["name"], [m["metadata"]["name"] for m in scraping])
+    worker_service = named(documents, "Service", WORKER)
+    monitor = named(documents, "ServiceMonitor", WORKER)
+    assert selects(monitor["spec"]["selector"]["matchLabels"], worker_service["metadata"]["labels"])
+    assert selects(worker_service["spec"]["selector"], pod_labels(named(documents, "Deployment", WORKER)))
+    metrics = next(port for port in worker_service["spec"]["ports"] if port["name"] == "metrics")
+    assert [endpoint["port"] for endpoint in monitor["spec"]["endpoints"]] == ["metrics"]
+    worker_container = named(documents, "Deployment", WORKER)["spec"]["template"]["spec"]["containers"][0]
+    assert container_port(worker_container, metrics["targetPort"]) == int(
+        serve_flag(worker_container["args"], "--metrics-port") or Settings.model_fields["metrics_port"].default
+    )
+
+
+def compose_config() -> dict[str, Any]:
+    """The compose file as docker-compose reads it (normalised: `depends_on` with conditions, ports as maps)."""
+    result = run(tool("docker-compose"), "-f", str(COMPOSE), "config")
+    assert result.returncode == 0, result.stdout + result.stderr
+    return dict(yaml.safe_load(result.stdout))
+
+
+def test_compose_fronts_the_worker_services_it_defines_with_the_gateway() -> None:
+    services = compose_config()["services"]
+    gateway = services["gateway"]
+    assert gateway["entrypoint"] == [GATEWAY_SCRIPT]
+    flags = launch_flags(gateway["command"])
+    assert flags["--worker-urls"], "no --worker-urls"
+    scraped = yaml.safe_load((DEPLOY / "prometheus/prometheus.yml").read_text())["scrape_configs"]
+    jobs = [job for job in scraped if job["job_name"] == "phasescope"]
+    targets = {target for job in jobs for config in job["static_configs"] for target in config["targets"]}
+    for url in flags["--worker-urls"]:
+        address = urllib.parse.urlsplit(url)
+        assert address.scheme == "grpc", url
+        assert address.hostname in services, f"{url} names no service of the compose file"
+        worker = services[address.hostname]
+        assert worker["image"] == gateway["image"]  # the same image, another entrypoint
+        command = [str(arg) for arg in worker.get("command", [])]
+        assert address.port == int(serve_flag(command, "--port") or Settings.model_fields["port"].default), url
+        if "healthcheck" in worker:
+            assert gateway["depends_on"][address.hostname]["condition"] == "service_healthy"
+        # Prometheus keeps scraping every worker.
+        metrics = int(serve_flag(command, "--metrics-port") or Settings.model_fields["metrics_port"].default)
+        assert f"{address.hostname}:{metrics}" in targets, (address.hostname, targets)
+    # The default model's folder, which the image prepared under its PHASESCOPE_CACHE_DIR.
+    cache = re.search(r"PHASESCOPE_CACHE_DIR=(\S+)", (DEPLOY / "docker/Dockerfile.cpu").read_text())
+    assert cache, "Dockerfile.cpu sets no PHASESCOPE_CACHE_DIR"
+    assert flags["--tokenizer-path"] == [f"{cache.group(1)}/models/{DEFAULT_MODEL_NAME}"]
+    assert flags["--policy"] == ["least_load"]
+    published = {int(port["target"]): int(port["published"]) for port in gateway["ports"]}
+    assert published == {int(flags["--port"][0]): 30000}
+
+
+def smg_reads(args: list[str]) -> Any:
+    """`smg launch ...` as smg's own launcher reads it (it exits on an unknown flag or a bad value),
+    checked as the launcher checks it before it starts the router."""
+    from smg.launch_router import parse_router_args  # type: ignore[import-untyped]  # no type information
+
+    assert args[:1] == ["launch"], args
+    router_args = parse_router_args(args[1:])
+    router_args._validate_router_args()
+    return router_args
+
+
+def test_smg_reads_the_gateways_arguments_as_the_tests_read_them() -> None:
+    args = gateway_container(render("cpu"))["args"]
+    flags = launch_flags(args)
+    discovered = smg_reads(args)
+    assert discovered.selected_discovery_provider() == "kubernetes"
+    assert discovered.selector == dict(value.split("=", 1) for value in flags["--selector"])
+    assert discovered.service_discovery_namespace == flags["--service-discovery-namespace"][0]
+    assert discovered.service_discovery_port == int(flags["--service-discovery-port"][0])
+    assert (discovered.policy, discovered.port, discovered.health_check_port, discovered.prometheus_port) == (
+        flags["--policy"][0],
+        int(flags["--port"][0]),
+        int(flags["--health-check-port"][0]),
+        int(flags["--prometheus-port"][0]),
+    )
+    assert discovered.worker_urls == []
+    assert discovered.tokenizer_path is None
+    assert discovered.model_path is None
+    assert not discovered.disable_tokenizer_autoload
+    command = [str(arg) for arg in compose_config()["services"]["gateway"]["command"]]
+    flags = launch_flags(command)
+    listed = smg_reads(command)
+    assert listed.selected_discovery_provider() is None
+    assert listed.worker_urls == flags["--worker-urls"]
+    assert listed.tokenizer_path == flags["--tokenizer-path"][0]
+    assert (listed.policy, listed.port) == (flags["--policy"][0], int(flags["--port"][0]))
