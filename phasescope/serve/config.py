@@ -72,7 +72,7 @@ Flag = Annotated[bool, BeforeValidator(_blank_is_false)]
 LogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical"], BeforeValidator(_lowercase)]
 
 # What `settings_from` was given for the `Settings` it is building; None: os.environ.
-_environ: ContextVar[Mapping[str, str] | None] = ContextVar("phasescope_settings_environ", default=None)
+_environ: ContextVar[Mapping[str, str] | None] = ContextVar("settings_environ", default=None)
 
 
 class _EnvironmentSource(PydanticBaseSettingsSource):
