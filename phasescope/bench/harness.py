@@ -230,13 +230,16 @@ class GatewayProcess(ManagedProcess):
     ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
+        # Its own metrics on a free port too: the default (29000) is taken by a second gateway on the machine.
+        self.metrics_port = free_port()
         self.ready_at = 0.0
         """`time.monotonic()` when a worker had registered (the gateway pings it from then on)."""
         # The launcher installed beside this interpreter (the serving environment's `smg`).
         launcher = Path(sys.executable).with_name("smg")
         command = [str(launcher), "launch", "--host", "127.0.0.1", "--port", str(self.port),
                    "--worker-urls", *(f"grpc://{address}" for address in worker_addresses),
-                   "--tokenizer-path", str(tokenizer_path), "--policy", policy, *extra_args]  # fmt: skip
+                   "--tokenizer-path", str(tokenizer_path), "--policy", policy, "--prometheus-host", "127.0.0.1",
+                   "--prometheus-port", str(self.metrics_port), *extra_args]  # fmt: skip
         super().__init__(command, log_path)
 
     def models(self) -> list[str]:

@@ -124,7 +124,10 @@ class VllmEngineServicer:
         return pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
 
     async def Abort(self, request: pb.AbortRequest, context: ServicerContext) -> pb.AbortResponse:
-        engine = self._path.ready_engine()
+        # Also while draining: an abort only frees work.
+        engine = self._path.engine
+        if engine is None:
+            return pb.AbortResponse()
         for request_id in request.request_ids:
             for engine_request_id in list(self._engine_ids.get(request_id, ())):
                 await engine.abort(engine_request_id)
