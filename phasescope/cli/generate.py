@@ -7,7 +7,6 @@ import sys
 from typing import TYPE_CHECKING, Any
 
 from phasescope.cli.connection import add_client_parser, credentials
-from phasescope.telemetry.request.stages import STAGES
 
 if TYPE_CHECKING:
     from phasescope.cli import Subparsers
@@ -33,12 +32,10 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
 
 
 def format_timings(t: pb.Timings) -> str:
-    # Every stage the contract carries (abandoned has no field: such a request gets no answer).
-    stages = [
-        f"{stage.name} {getattr(t, stage.seconds_field) * 1e3:.1f} ms"
-        for stage in STAGES
-        if stage.seconds_field in t.DESCRIPTOR.fields_by_name
-    ]
+    # Imported here: it loads the generated messages, which `phasescope --help` does without.
+    from phasescope.serve.timings import TIMED_STAGES
+
+    stages = [f"{stage.name} {getattr(t, stage.seconds_field) * 1e3:.1f} ms" for stage in TIMED_STAGES]
     return " | ".join(
         [
             *stages,

@@ -22,7 +22,7 @@ from phasescope.engine.base import Engine, EngineStep
 from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext
+from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
 from phasescope.serve.timings import timings_message
 from phasescope.serve.validation import (
     UndecodableRequest,
@@ -67,14 +67,6 @@ def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb
         chunk.usage.completion_tokens = lifecycle.completion_tokens
         chunk.timings.CopyFrom(timings_message(lifecycle.final_timings()))
     return chunk
-
-
-async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
-    """Token ids for the input; text is tokenised on a worker thread (vLLM's tokenizer is a
-    thread-safe pool), so a long prompt does not stall every other stream on the event loop."""
-    if parsed.kind == "token_ids":
-        return list(parsed.token_ids)
-    return await asyncio.to_thread(engine.tokenize, parsed)
 
 
 class InferenceServicer:

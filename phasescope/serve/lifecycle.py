@@ -23,6 +23,7 @@ is `time.monotonic()`, the clock the engine stamps with (`phasescope.telemetry.r
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import time
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -34,6 +35,7 @@ from typing import Any, Protocol
 import grpc
 
 from phasescope.engine.base import Engine, EngineStep
+from phasescope.engine.request import ParsedInput
 from phasescope.errors import EngineUnavailableError, NotReadyError, PhasescopeError
 from phasescope.serve.admission import Admission
 from phasescope.serve.status import rejection_reason, status_for
@@ -67,6 +69,14 @@ class Deadlined(Protocol):
 def _deadline_passed(context: Deadlined) -> bool:
     remaining = context.time_remaining()
     return remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS
+
+
+async def tokenize_off_loop(engine: Engine, parsed: ParsedInput) -> list[int]:
+    """Token ids for the input; text is tokenised on a worker thread (vLLM's tokenizer is a
+    thread-safe pool), so a long prompt does not stall every other stream on the event loop."""
+    if parsed.kind == "token_ids":
+        return list(parsed.token_ids)
+    return await asyncio.to_thread(engine.tokenize, parsed)
 
 
 class RequestPath:

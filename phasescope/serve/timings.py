@@ -22,9 +22,10 @@ def timings_message(timings: PhaseTimings) -> pb.Timings:
         decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
     )
     # Each stage with a field of its own in the contract (abandoned has none: such a request sends no chunk).
-    for stage in _TIMED_STAGES:
+    for stage in TIMED_STAGES:
         setattr(message, stage.seconds_field, timings.seconds(stage) or 0.0)
     return message
 
 
-_TIMED_STAGES = tuple(stage for stage in STAGES if stage.seconds_field in pb.Timings.DESCRIPTOR.fields_by_name)
+TIMED_STAGES = tuple(stage for stage in STAGES if stage.seconds_field in pb.Timings.DESCRIPTOR.fields_by_name)
+"""The stages `Timings` has a field for, in the table's order (abandoned has none: such a request gets no answer)."""

@@ -269,7 +269,7 @@ class VllmEngine:
         try:
             # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
             # rendered prompts are, instead of a second hop through its renderer's thread pool
-            # (the text was already tokenised off the loop, phasescope.serve.inference.tokenize_off_loop).
+            # (the text was already tokenised off the loop, phasescope.serve.lifecycle.tokenize_off_loop).
             # aclosing: when our caller closes this generator, vLLM's is closed at
             # once too, and its GeneratorExit handler aborts the engine request.
             async with aclosing(

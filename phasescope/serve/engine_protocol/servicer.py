@@ -33,8 +33,7 @@ from phasescope.errors import InvalidRequestError, NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import scheduler_loads
 from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
-from phasescope.serve.inference import tokenize_off_loop
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext
+from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder
 from phasescope.serve.watch import TelemetrySource
