@@ -36,12 +36,13 @@ from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class EngineTimestamps:
     """A request's timestamps as the engine core recorded them (monotonic); 0.0 means never reached.
 
     vLLM sends them only with a request's outputs: a request that ends before its
-    first token has none.
+    first token has none. One is made for every step of every request, so it is not frozen
+    (a frozen dataclass costs twice as much to make, on the per-token path); treat it as a value.
     """
 
     queued_ts: float
