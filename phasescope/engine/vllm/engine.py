@@ -220,9 +220,9 @@ class VllmEngine:
         return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
 
     def _sampling_params(self, spec: SamplingSpec) -> Any:
-        from vllm import SamplingParams
+        # From its module: `from vllm import SamplingParams` runs vLLM's lazy `__getattr__` every request.
         from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         values: dict[str, Any] = dict(self._default_sampling)
         chosen = {

@@ -9,7 +9,10 @@ docs/metrics.md documents each series; a test keeps the two in step.
 
 from __future__ import annotations
 
+from typing import Any
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.metrics import MetricWrapperBase
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 from phasescope.telemetry.request.stages import STAGES
@@ -45,6 +48,8 @@ class PrometheusRequestObserver:
         """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
         its expression evaluates before the first request has missed or even run."""
         self._decode_tokens: dict[str, Counter] = {}
+        # Labelled children by (metric, *labels): `labels()` costs ~2.5 µs, a dozen times per request.
+        self._children: dict[tuple[object, ...], Any] = {}
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             _PHASE_HELP,
@@ -129,8 +134,15 @@ class PrometheusRequestObserver:
             for code in _UNANSWERED_CODES:
                 self.without_first_token.labels(model, code)
 
+    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
+        key = (metric, *labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def request_started(self, model: str) -> None:
-        self.requests_in_flight.labels(model).inc()
+        self._child(self.requests_in_flight, model).inc()
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         model = record.model
@@ -138,15 +150,15 @@ class PrometheusRequestObserver:
         # With tracing on, each observation links to its request's trace (shown when
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        self.tokens.labels(model, "prefill").inc(record.prefill_tokens_computed)
+        self._child(self.tokens, model, "prefill").inc(record.prefill_tokens_computed)
         for stage in _AT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
-            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
+            self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
         if record.streaming and timings.client_time_to_first_token_seconds is not None:
-            self.client_time_to_first_token_seconds.labels(model).observe(
+            self._child(self.client_time_to_first_token_seconds, model).observe(
                 timings.client_time_to_first_token_seconds, exemplar
             )
 
@@ -154,33 +166,33 @@ class PrometheusRequestObserver:
         # Called for every chunk of every stream: the labelled child is looked up once per model.
         child = self._decode_tokens.get(model)
         if child is None:
-            child = self._decode_tokens[model] = self.tokens.labels(model, "decode")
+            child = self._decode_tokens[model] = self._child(self.tokens, model, "decode")
         child.inc(count)
 
     def request_finished(self, record: PhaseRecord) -> None:
         model = record.model
-        self.requests_in_flight.labels(model).dec()
-        self.requests.labels(model, record.code, record.finish_reason).inc()
+        self._child(self.requests_in_flight, model).dec()
+        self._child(self.requests, model, record.code, record.finish_reason).inc()
         timings = record.timings
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         answered = record.produced_first_token
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
-            self.without_first_token.labels(model, record.code).inc()
+            self._child(self.without_first_token, model, record.code).inc()
         for stage in _AT_END if answered else _WITHOUT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if not answered:
             return
         if timings.decode_stalled_by_prefill_seconds is not None:
-            self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
+            self._child(self.decode_stalled_seconds, model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
         if timings.decode_prefill_interference_seconds is not None:
-            self.decode_interference_seconds.labels(model).observe(
+            self._child(self.decode_interference_seconds, model).observe(
                 timings.decode_prefill_interference_seconds, exemplar
             )
         if timings.e2e_seconds is not None:
-            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
+            self._child(self.request_duration_seconds, model).observe(timings.e2e_seconds, exemplar)
 
     def request_rejected(self, model: str, reason: str) -> None:
-        self.requests_rejected.labels(model, reason).inc()
+        self._child(self.requests_rejected, model, reason).inc()

@@ -28,9 +28,10 @@ from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.step.records import PHASES, StepRecord
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PhaseShare:
-    """The part of one step charged to one phase."""
+    """The part of one step charged to one phase (made for every step: slotted, not frozen, as a frozen
+    dataclass costs twice as much to make; treat it as a value)."""
 
     tokens: int
     requests: int
@@ -44,9 +45,9 @@ class PhaseShare:
         return self.read_bytes + self.written_bytes
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class StepCost:
-    """A step's totals and their attribution to the phases."""
+    """A step's totals and their attribution to the phases (one per step, like `PhaseShare`)."""
 
     flops: float
     read_bytes: float
