@@ -13,6 +13,7 @@ import contextlib
 import gzip
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -57,8 +58,35 @@ def stop_on_sigterm() -> None:
     signal.signal(signal.SIGTERM, interrupt)
 
 
+# Linux's default ephemeral range, where the kernel puts the local end of every outgoing connection.
+_EPHEMERAL_PORTS = (32768, 60999)
+_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range of ports for the local ends of outgoing connections (Linux's default elsewhere)."""
+    with contextlib.suppress(OSError, ValueError):
+        low, high = (int(value) for value in _RANGE_FILE.read_text().split())
+        return low, high
+    return _EPHEMERAL_PORTS
+
+
 def free_port() -> int:
-    with socket.socket() as probe:
+    """A loopback port free now, below the kernel's ephemeral range. A port the kernel hands out
+    (bind to 0) is an ephemeral one, which any outgoing connection (a client's, a gateway's) can take
+    as its local end before the server it was meant for binds it: vLLM's gRPC worker binds only after
+    loading its model, a minute later, and then failed with "Failed to bind"."""
+    low, _ = ephemeral_ports()
+    chooser = random.SystemRandom()  # two harnesses on one machine do not walk the same sequence
+    for _ in range(200):
+        port = chooser.randrange(max(1024, low - 12000), low)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as probe:  # every port below the range is taken: the kernel's choice, as before
         probe.bind(("127.0.0.1", 0))
         return int(probe.getsockname()[1])
 

@@ -1,6 +1,7 @@
 import gzip
 import json
 import os
+import socket
 import sys
 import time
 from pathlib import Path
@@ -8,7 +9,14 @@ from pathlib import Path
 import psutil
 import pytest
 
-from phasescope.bench.harness import ManagedProcess, StartError, free_port, health_status, write_results
+from phasescope.bench.harness import (
+    ManagedProcess,
+    StartError,
+    ephemeral_ports,
+    free_port,
+    health_status,
+    write_results,
+)
 
 # A parent that starts a child in its own process group, prints the child's pid, and sleeps.
 PARENT_WITH_CHILD = (
@@ -121,3 +129,12 @@ def test_results_named_json_are_plain_json(tmp_path: Path) -> None:
     text = path.read_text(encoding="utf-8")
     assert json.loads(text) == RESULTS
     assert text == json.dumps(RESULTS, indent=2) + "\n"
+
+
+def test_a_free_port_is_bindable_and_outside_the_range_outgoing_connections_take_theirs_from() -> None:
+    low, high = ephemeral_ports()
+    for _ in range(20):
+        port = free_port()
+        assert not low <= port <= high
+        with socket.socket() as server:
+            server.bind(("127.0.0.1", port))
