@@ -35,6 +35,23 @@ class ParsedInput:
     token_ids: tuple[int, ...] = ()
 
 
+StructuredKind = Literal["json_schema", "json_object", "regex", "grammar", "choice", "structural_tag"]
+
+
+@dataclass(frozen=True, slots=True)
+class StructuredOutput:
+    """A constraint on the output's text (vLLM's structured outputs, compiled by its grammar backend)."""
+
+    kind: StructuredKind
+    value: str = ""
+    """The JSON schema, regex, EBNF grammar or structural tag, as text (empty for json_object and choice)."""
+    choices: tuple[str, ...] = ()
+    """For `choice`: the output is exactly one of these."""
+    field: str = ""
+    """The request's field that asked for it, as its protocol spells it: what a refusal by the
+    engine's grammar compiler names."""
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """Validated sampling values; None means "the model's default"."""
@@ -55,3 +72,11 @@ class SamplingSpec:
     """False: the engine produces token ids only (GenerateRequest.token_ids_only); every text is empty."""
     stream_interval: int | None = None
     """Tokens per streamed chunk (GenerateRequest.stream_interval); None: the server's."""
+    min_tokens: int = 0
+    """No end-of-sequence or stop token ends the output before this many tokens."""
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    """(token id, bias added to its logit) pairs, each bias in [-100, 100]."""
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured: StructuredOutput | None = None

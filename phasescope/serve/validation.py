@@ -6,14 +6,22 @@ bad-input case is tested without an engine. Every error names the field.
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import TypeVar, get_args
 
 from google.protobuf.message import Message
 
-from phasescope.engine.request import ChatTurn, ModelLimits, ParsedInput, SamplingSpec
+from phasescope.engine.request import (
+    ChatTurn,
+    ModelLimits,
+    ParsedInput,
+    SamplingSpec,
+    StructuredKind,
+    StructuredOutput,
+)
 from phasescope.errors import InvalidRequestError
 from phasescope.v1 import inference_pb2 as pb
 
@@ -21,6 +29,10 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 MAX_STOP_TOKEN_IDS = 1024
+MAX_LOGIT_BIASES = 1024
+MAX_CHOICES = 1024
+# OpenAI's and vLLM's bound on a logit bias.
+MAX_LOGIT_BIAS = 100.0
 MAX_REQUEST_ID_CHARS = 256
 
 # Top-level field numbers of the `input` oneof in GenerateRequest and TokenizeRequest.
@@ -212,6 +224,61 @@ class SamplingAsk:
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     ignore_eos: bool = False
+    min_tokens: int = 0
+    logit_bias: Sequence[tuple[int, float]] = ()
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    structured: StructuredOutput | None = None
+    """Its `field` is the request's own name for it (the error names it)."""
+
+
+def structured_output(message: Message, kind: str | None, field: str) -> StructuredOutput | None:
+    """A structured-output oneof as the engine's constraint (None: none asked). Both protocols name its
+    cases alike (json_schema, json_object, regex, grammar, choice with its `choices`, structural_tag):
+    `kind` is the case set, `field` the oneof's path as the protocol spells it, which refusals name."""
+    if kind is None:
+        return None
+    field = f"{field}{kind}"
+    if kind == "choice":
+        choices = tuple(getattr(message, "choice").choices)  # noqa: B009  # both protocols' messages have it
+        return StructuredOutput("choice", choices=choices, field=f"{field}.choices")
+    if kind == "json_object":
+        # false asks for nothing, as vLLM's servicer reads it
+        return StructuredOutput("json_object", field=field) if getattr(message, kind) else None
+    if kind not in get_args(StructuredKind):
+        raise InvalidRequestError(field, "is not a structured output this server knows")
+    named: StructuredKind = kind  # type: ignore[assignment]  # checked just above
+    return StructuredOutput(named, value=str(getattr(message, kind)), field=field)
+
+
+def _v1_structured(sampling: pb.SamplingParams) -> StructuredOutput | None:
+    kind = sampling.structured.WhichOneof("kind")
+    if kind is None:
+        raise InvalidRequestError("sampling.structured", "set one of its kinds, or leave it unset for free text")
+    return structured_output(sampling.structured, kind, "sampling.structured.")
+
+
+def check_structured(structured: StructuredOutput) -> StructuredOutput:
+    """What can be refused before the engine's grammar compiler sees it (which refuses the rest, with
+    its own message): a schema that is not JSON, an empty pattern, no choices."""
+    field = structured.field
+    if structured.kind in ("json_schema", "structural_tag"):
+        try:
+            json.loads(structured.value)
+        except ValueError as exc:
+            raise InvalidRequestError(field, f"is not valid JSON: {exc}") from exc
+    elif structured.kind in ("regex", "grammar") and not structured.value:
+        raise InvalidRequestError(field, "must not be empty")
+    elif structured.kind == "choice":
+        if not structured.choices:
+            raise InvalidRequestError(field, "must list at least one choice")
+        if len(structured.choices) > MAX_CHOICES:
+            raise InvalidRequestError(field, f"at most {MAX_CHOICES} choices, got {len(structured.choices)}")
+        for index, choice in enumerate(structured.choices):
+            if not choice:
+                raise InvalidRequestError(f"{field}[{index}]", "must not be empty")
+    return structured
 
 
 def check_sampling(
@@ -278,6 +345,19 @@ def check_sampling(
         refuse("stop_token_ids", f"at most {MAX_STOP_TOKEN_IDS} stop token ids")
     check_token_ids(ask.stop_token_ids, f"{prefix}stop_token_ids", limits)
 
+    if ask.min_tokens < 0:
+        refuse("min_tokens", f"must be 0 or more, got {ask.min_tokens}")
+    if ask.min_tokens > max_tokens:
+        refuse("min_tokens", f"must be at most max_tokens ({max_tokens}), got {ask.min_tokens}")
+    if len(ask.logit_bias) > MAX_LOGIT_BIASES:
+        refuse("logit_bias", f"at most {MAX_LOGIT_BIASES} tokens, got {len(ask.logit_bias)}")
+    for token, bias in ask.logit_bias:
+        if not 0 <= token < limits.vocab_size:
+            refuse("logit_bias", f"token id {token} is outside the vocabulary [0, {limits.vocab_size})")
+        if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
+            refuse(f"logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
+    structured = check_structured(ask.structured) if ask.structured is not None else None
+
     return SamplingSpec(
         max_tokens=max_tokens,
         temperature=temperature,
@@ -293,6 +373,12 @@ def check_sampling(
         ignore_eos=ask.ignore_eos,
         detokenize=detokenize,
         stream_interval=stream_interval,
+        min_tokens=ask.min_tokens,
+        logit_bias=tuple(sorted(ask.logit_bias)),
+        include_stop_str_in_output=ask.include_stop_str_in_output,
+        skip_special_tokens=ask.skip_special_tokens,
+        spaces_between_special_tokens=ask.spaces_between_special_tokens,
+        structured=structured,
     )
 
 
@@ -327,6 +413,14 @@ def build_sampling(
         frequency_penalty=sampling.frequency_penalty if has("frequency_penalty") else None,
         repetition_penalty=sampling.repetition_penalty if has("repetition_penalty") else None,
         ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
+        logit_bias=tuple(sampling.logit_bias.items()),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens if has("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            sampling.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
+        ),
+        structured=_v1_structured(sampling) if has("structured") else None,
     )
     return check_sampling(
         ask,

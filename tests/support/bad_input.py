@@ -66,6 +66,21 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
     "stop string of a megabyte": (build_request(prompt="hi", stop=["x" * 2**20]), "sampling.stop"),
     "empty stop string": (build_request(prompt="hi", stop=[""]), "sampling.stop"),
     "huge stop-token list": (build_request(prompt="hi", stop_token_ids=list(range(5000))), "sampling.stop_token_ids"),
+    "min_tokens above max_tokens": (build_request(prompt="hi", max_tokens=4, min_tokens=8), "sampling.min_tokens"),
+    "logit bias outside the vocabulary": (build_request(prompt="hi", logit_bias={VOCAB: 1.0}), "sampling.logit_bias"),
+    "logit bias beyond 100": (build_request(prompt="hi", logit_bias={5: 250.0}), "sampling.logit_bias[5]"),
+    "structured output with no kind": (
+        build_request(prompt="hi", structured=pb.StructuredOutput()),
+        "sampling.structured",
+    ),
+    "JSON schema the compiler refuses": (
+        build_request(prompt="hi", structured=pb.StructuredOutput(json_schema='{"type": "no-such-type"}')),
+        "sampling.structured.json_schema",
+    ),
+    "regex the compiler refuses": (
+        build_request(prompt="hi", structured=pb.StructuredOutput(regex="[0-9")),
+        "sampling.structured.regex",
+    ),
     "request id of 10 kB": (build_request(prompt="hi", request_id="r" * 10_000), "request_id"),
 }  # fmt: skip
 
@@ -106,8 +121,17 @@ BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
     "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
     "n above 1": (_engine_request(n=2), "sampling_params.n"),
     "log probabilities": (_engine_request(logprobs=2), "sampling_params.logprobs"),
-    "structured output": (_engine_request(regex="[0-9]+"), "sampling_params.regex"),
-    "logit bias": (_engine_request(logit_bias={5: -100.0}), "sampling_params.logit_bias"),
+    "JSON schema that is not JSON": (_engine_request(json_schema='{"type": '), "sampling_params.json_schema"),
+    "JSON schema the compiler refuses": (
+        _engine_request(json_schema='{"type": "no-such-type"}'),
+        "sampling_params.json_schema",
+    ),
+    "regex the compiler refuses": (_engine_request(regex="[0-9"), "sampling_params.regex"),
+    "grammar the compiler refuses": (_engine_request(grammar='root ::= "a'), "sampling_params.grammar"),
+    "no choices": (_engine_request(choice=vllm_engine_pb2.ChoiceConstraint()), "sampling_params.choice.choices"),
+    "logit bias outside the vocabulary": (_engine_request(logit_bias={VOCAB: -100.0}), "sampling_params.logit_bias"),
+    "logit bias beyond 100": (_engine_request(logit_bias={5: -250.0}), "sampling_params.logit_bias[5]"),
+    "min_tokens above max_tokens": (_engine_request(max_tokens=4, min_tokens=8), "sampling_params.min_tokens"),
     "multimodal input": (
         vllm_engine_pb2.GenerateRequest(
             request_id="bad",

@@ -62,6 +62,8 @@ class ScriptedEngine:
         self.closed = False
         self.warmed_up = False
         self.started: list[str] = []
+        self.sampling: dict[str, SamplingSpec] = {}
+        """Each started request's sampling, as the engine was asked for it."""
         self.aborted: list[str] = []
         self.finished: list[str] = []
         cost = model_cost_from_config(CONFIG, parameter_count=1_000_000, dtype="float32")
@@ -120,6 +122,7 @@ class ScriptedEngine:
 
     async def _play(self, request_id: str, script: Script, sampling: SamplingSpec) -> AsyncGenerator[EngineStep, None]:
         self.started.append(request_id)
+        self.sampling[request_id] = sampling
         aborted = self._aborts[request_id] = asyncio.Event()
         queued = time.monotonic()
         tokens = script.tokens[: sampling.max_tokens]

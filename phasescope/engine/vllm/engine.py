@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription
-from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
 from phasescope.engine.vllm.stats import stat_logger_factory
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
@@ -66,6 +66,24 @@ def _model_facts(llm: Any) -> dict[str, Any]:
         "kv_cache_block_size": block_size,
         "kv_cache_dtype": str(cache.cache_dtype),
     }
+
+
+def _structured_outputs(structured: StructuredOutput) -> Any:
+    """vLLM's `StructuredOutputsParams` for the constraint (its grammar backend compiles it)."""
+    from vllm.sampling_params import StructuredOutputsParams
+
+    kind = structured.kind
+    if kind == "json_schema":
+        return StructuredOutputsParams(json=structured.value)
+    if kind == "json_object":
+        return StructuredOutputsParams(json_object=True)
+    if kind == "choice":
+        return StructuredOutputsParams(choice=list(structured.choices))
+    if kind == "regex":
+        return StructuredOutputsParams(regex=structured.value)
+    if kind == "grammar":
+        return StructuredOutputsParams(grammar=structured.value)
+    return StructuredOutputsParams(structural_tag=structured.value)
 
 
 def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
@@ -225,6 +243,7 @@ class VllmEngine:
         from vllm.sampling_params import RequestOutputKind, SamplingParams
 
         values: dict[str, Any] = dict(self._default_sampling)
+        structured = _structured_outputs(spec.structured) if spec.structured is not None else None
         chosen = {
             "temperature": spec.temperature,
             "top_p": spec.top_p,
@@ -243,6 +262,12 @@ class VllmEngine:
                 stop=list(spec.stop) or None,
                 stop_token_ids=list(spec.stop_token_ids) or None,
                 ignore_eos=spec.ignore_eos,
+                min_tokens=spec.min_tokens,
+                logit_bias=dict(spec.logit_bias) or None,
+                include_stop_str_in_output=spec.include_stop_str_in_output,
+                skip_special_tokens=spec.skip_special_tokens,
+                spaces_between_special_tokens=spec.spaces_between_special_tokens,
+                structured_outputs=structured,
                 detokenize=spec.detokenize,
                 stream_interval=spec.stream_interval,
                 # Each engine step's new tokens only: the stream forwards them as they come.
@@ -258,10 +283,14 @@ class VllmEngine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineStep, None]:
         # Built now, not at the first step: sampling the engine refuses raises here.
-        return self._steps(request_id, prompt_token_ids, self._sampling_params(sampling))
+        params = self._sampling_params(sampling)
+        # What the engine's own refusals name when they name no parameter: a structured output's field
+        # (its grammar compiler's message says what is wrong with it).
+        unnamed = sampling.structured.field if sampling.structured is not None else "request"
+        return self._steps(request_id, prompt_token_ids, params, unnamed)
 
     async def _steps(
-        self, request_id: str, prompt_token_ids: list[int], params: Any
+        self, request_id: str, prompt_token_ids: list[int], params: Any, unnamed: str = "request"
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -309,7 +338,7 @@ class VllmEngine:
         except EngineDeadError as exc:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
         except VLLMClientError as exc:
-            raise InvalidRequestError(getattr(exc, "parameter", None) or "request", str(exc)) from exc
+            raise InvalidRequestError(getattr(exc, "parameter", None) or unnamed, str(exc)) from exc
         finally:
             self._aborting.discard(request_id)
 

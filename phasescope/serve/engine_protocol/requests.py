@@ -17,7 +17,13 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.errors import InvalidRequestError
-from phasescope.serve.validation import SamplingAsk, check_prompt_chars, check_sampling, check_token_ids
+from phasescope.serve.validation import (
+    SamplingAsk,
+    check_prompt_chars,
+    check_sampling,
+    check_token_ids,
+    structured_output,
+)
 
 # Sampling fields the engine protocol carries that this worker does not offer yet, with what
 # "not asked" looks like for each (the whole generation surface is its own issue).
@@ -82,17 +88,6 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
             raise InvalidRequestError(f"{prefix}{field}", f"{what} are not offered by this worker yet")
     if sampling.n > 1:
         raise InvalidRequestError(f"{prefix}n", f"one sample per request is offered by this worker, got {sampling.n}")
-    if sampling.min_tokens:
-        raise InvalidRequestError(f"{prefix}min_tokens", "a minimum output length is not offered by this worker yet")
-    if sampling.logit_bias:
-        raise InvalidRequestError(f"{prefix}logit_bias", "logit biases are not offered by this worker yet")
-    if sampling.include_stop_str_in_output:
-        raise InvalidRequestError(
-            f"{prefix}include_stop_str_in_output", "stop strings in the output are not offered by this worker yet"
-        )
-    constraint = sampling.WhichOneof("constraint")
-    if constraint is not None:
-        raise InvalidRequestError(f"{prefix}{constraint}", "structured outputs are not offered by this worker yet")
     ask = SamplingAsk(
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
@@ -106,6 +101,13 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         frequency_penalty=sampling.frequency_penalty or None,
         repetition_penalty=sampling.repetition_penalty or None,
         ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
+        logit_bias=tuple(sampling.logit_bias.items()),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        # As vLLM's servicer passes them: they shape only text, which this protocol carries only for stop strings.
+        skip_special_tokens=sampling.skip_special_tokens,
+        spaces_between_special_tokens=sampling.spaces_between_special_tokens,
+        structured=structured_output(sampling, sampling.WhichOneof("constraint"), prefix),
     )
     # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
     return check_sampling(ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop))

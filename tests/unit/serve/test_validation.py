@@ -2,7 +2,7 @@ import math
 
 import pytest
 
-from phasescope.engine.request import ModelLimits
+from phasescope.engine.request import ModelLimits, StructuredOutput
 from phasescope.errors import InvalidRequestError
 from phasescope.serve.validation import (
     MAX_STOP_STRINGS,
@@ -133,6 +133,20 @@ def test_well_formed_request_decodes() -> None:
         ({"stop": ["x" * 2000]}, "sampling.stop[0]"),
         ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop"),
         ({"stop_token_ids": [5, 1000]}, "sampling.stop_token_ids[1]"),
+        ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
+        ({"logit_bias": {1000: 1.0}}, "sampling.logit_bias"),
+        ({"logit_bias": {7: 101.0}}, "sampling.logit_bias[7]"),
+        ({"logit_bias": {7: math.nan}}, "sampling.logit_bias[7]"),
+        ({"structured": pb.StructuredOutput()}, "sampling.structured"),
+        ({"structured": pb.StructuredOutput(json_schema="{not json")}, "sampling.structured.json_schema"),
+        ({"structured": pb.StructuredOutput(structural_tag="")}, "sampling.structured.structural_tag"),
+        ({"structured": pb.StructuredOutput(regex="")}, "sampling.structured.regex"),
+        ({"structured": pb.StructuredOutput(grammar="")}, "sampling.structured.grammar"),
+        ({"structured": pb.StructuredOutput(choice=pb.Choice())}, "sampling.structured.choice.choices"),
+        (
+            {"structured": pb.StructuredOutput(choice=pb.Choice(choices=["a", ""]))},
+            "sampling.structured.choice.choices[1]",
+        ),
     ],
 )
 def test_bad_sampling_names_its_field(values: dict[str, object], field: str) -> None:
@@ -140,6 +154,31 @@ def test_bad_sampling_names_its_field(values: dict[str, object], field: str) -> 
         build_sampling(sampling(**values), prompt_tokens=10, limits=LIMITS)
     assert caught.value.field == field
     assert str(caught.value).startswith(field + ":")
+
+
+def test_the_generation_surface_reaches_the_engine_as_asked() -> None:
+    asked = sampling(
+        max_tokens=8, min_tokens=2, logit_bias={7: -100.0, 3: 5.0}, include_stop_str_in_output=True,
+        skip_special_tokens=False, structured=pb.StructuredOutput(json_schema='{"type": "object"}'),
+    )  # fmt: skip
+    spec = build_sampling(asked, prompt_tokens=10, limits=LIMITS)
+    assert (spec.min_tokens, spec.logit_bias) == (2, ((3, 5.0), (7, -100.0)))
+    assert spec.include_stop_str_in_output
+    assert not spec.skip_special_tokens
+    assert spec.spaces_between_special_tokens  # unset: true
+    assert spec.structured == StructuredOutput(
+        "json_schema", value='{"type": "object"}', field="sampling.structured.json_schema"
+    )
+    choice = build_sampling(
+        sampling(max_tokens=8, structured=pb.StructuredOutput(choice=pb.Choice(choices=["yes", "no"]))),
+        prompt_tokens=10, limits=LIMITS,
+    )  # fmt: skip
+    assert choice.structured == StructuredOutput(
+        "choice", choices=("yes", "no"), field="sampling.structured.choice.choices"
+    )
+    plain = build_sampling(sampling(max_tokens=8), prompt_tokens=10, limits=LIMITS)
+    assert plain.structured is None
+    assert plain.skip_special_tokens
 
 
 def test_token_ids_only_turns_detokenisation_off_and_refuses_stop_strings() -> None:

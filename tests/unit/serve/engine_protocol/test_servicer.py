@@ -17,6 +17,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
+from phasescope.engine.request import StructuredOutput
 from phasescope.serve.admission import Admission
 from phasescope.serve.app import LiveTelemetry
 from phasescope.serve.engine_protocol.servicer import SERVICE_NAME, VllmEngineServicer, engine_protocol_handler
@@ -161,6 +162,33 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
         assert responses[-1].complete.output_ids == [9]
 
 
+@run
+async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_asked() -> None:
+    async with serve(ScriptedEngine()) as s:
+        asks = {
+            "schema": generate("schema", json_schema='{"type": "object"}', min_tokens=2, logit_bias={3: -100.0}),
+            "choice": generate("choice", choice=pb.ChoiceConstraint(choices=["yes", "no"])),
+            "regex": generate("regex", regex="[0-9]+", include_stop_str_in_output=True),
+            "object": generate("object", json_object=True),
+            "free": generate("free", json_object=False),
+        }
+        for request in asks.values():
+            [response async for response in s.stub.Generate(request)]
+        sampling = list(s.engine.sampling.values())
+        schema, choice, regex, json_object, free = sampling
+        assert schema.structured == StructuredOutput(
+            "json_schema", value='{"type": "object"}', field="sampling_params.json_schema"
+        )
+        assert (schema.min_tokens, schema.logit_bias) == (2, ((3, -100.0),))
+        assert choice.structured == StructuredOutput(
+            "choice", choices=("yes", "no"), field="sampling_params.choice.choices"
+        )
+        assert regex.structured == StructuredOutput("regex", value="[0-9]+", field="sampling_params.regex")
+        assert regex.include_stop_str_in_output
+        assert json_object.structured == StructuredOutput("json_object", field="sampling_params.json_object")
+        assert free.structured is None  # json_object false asks for nothing, as vLLM's servicer reads it
+
+
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
@@ -170,8 +198,12 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
         (generate(ids=(1, 10**6)), "tokenized.input_ids[1]"),
         (generate(n=2), "sampling_params.n"),
         (generate(logprobs=2), "sampling_params.logprobs"),
-        (generate(json_schema='{"type": "object"}'), "sampling_params.json_schema"),
-        (generate(logit_bias={3: -100.0}), "sampling_params.logit_bias"),
+        (generate(json_schema='{"type": '), "sampling_params.json_schema"),
+        (generate(choice=pb.ChoiceConstraint(choices=[])), "sampling_params.choice.choices"),
+        (generate(regex=""), "sampling_params.regex"),
+        (generate(logit_bias={10**6: 1.0}), "sampling_params.logit_bias"),
+        (generate(logit_bias={3: -200.0}), "sampling_params.logit_bias[3]"),
+        (generate(max_tokens=4, min_tokens=5), "sampling_params.min_tokens"),
         (generate(top_p=1.5), "sampling_params.top_p"),
         (generate(max_tokens=10_000), "sampling_params.max_tokens"),
         (generate(temperature=float("nan")), "sampling_params.temperature"),

@@ -1,0 +1,135 @@
+"""The generation surface beyond plain sampling on the real engine, through both protocols:
+structured outputs, logit bias and minimum length, and their refusals."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from pathlib import Path
+from typing import Any
+
+import grpc
+import jsonschema
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
+from transformers import AutoTokenizer
+
+from phasescope.client.client import Client, build_request
+from phasescope.v1 import inference_pb2 as pb
+from support.servers import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+SCHEMA = {
+    "type": "object",
+    "properties": {"city": {"type": "string", "maxLength": 16}, "country": {"type": "string", "maxLength": 16}},
+    "required": ["city", "country"],
+    "additionalProperties": False,
+}
+CAPITAL = [("user", "What is the capital of France? Answer in JSON.")]
+
+
+@pytest.fixture(scope="module")
+def engine_stub(server: ServerProcess) -> Any:
+    channel = grpc.insecure_channel(server.address)
+    yield vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    channel.close()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(default_model: Path) -> Any:
+    return AutoTokenizer.from_pretrained(default_model)
+
+
+def engine_generate(stub: Any, tokenizer: Any, prompt: str, **sampling: Any) -> str:
+    """A unary Generate over vLLM's engine protocol, token ids in and out as the gateway sends them."""
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    request = vllm.GenerateRequest(
+        request_id="surface", tokenized=vllm.TokenizedInput(input_ids=ids),
+        sampling_params=vllm.SamplingParams(temperature=0.0, **sampling), stream=False,
+    )  # fmt: skip
+    (response,) = list(stub.Generate(request, timeout=120))
+    return str(tokenizer.decode(response.complete.output_ids, skip_special_tokens=True))
+
+
+def test_a_json_schema_answer_parses_and_validates(client: Client) -> None:
+    structured = pb.StructuredOutput(json_schema=json.dumps(SCHEMA))
+    response = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=64, structured=structured))
+    answer = json.loads(response.text)
+    jsonschema.validate(answer, SCHEMA)
+
+
+def test_a_regex_answer_matches_it(client: Client) -> None:
+    structured = pb.StructuredOutput(regex="[0-9]{3}-[0-9]{4}")
+    prompt = [("user", "Make up a phone number.")]
+    response = client.generate(build_request(chat=prompt, temperature=0.0, max_tokens=16, structured=structured))
+    assert re.fullmatch("[0-9]{3}-[0-9]{4}", response.text), response.text
+
+
+def test_a_choice_over_the_engine_protocol_is_one_of_the_choices(engine_stub: Any, tokenizer: Any) -> None:
+    choices = ["sunny", "rainy", "snowy"]
+    text = engine_generate(
+        engine_stub, tokenizer, "What is the weather like?", max_tokens=8,
+        choice=vllm.ChoiceConstraint(choices=choices),
+    )  # fmt: skip
+    assert text in choices
+
+
+def test_a_json_schema_over_the_engine_protocol_validates(engine_stub: Any, tokenizer: Any) -> None:
+    text = engine_generate(
+        engine_stub, tokenizer, "What is the capital of France? Answer in JSON.", max_tokens=64,
+        json_schema=json.dumps(SCHEMA),
+    )  # fmt: skip
+    jsonschema.validate(json.loads(text), SCHEMA)
+
+
+def test_a_logit_bias_of_minus_100_keeps_a_token_out_of_a_greedy_answer(client: Client) -> None:
+    plain = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=8))
+    banned = plain.token_ids[0]
+    biased = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=8, logit_bias={banned: -100.0}))
+    assert banned not in biased.token_ids
+    assert list(biased.token_ids) != list(plain.token_ids)
+
+
+def test_min_tokens_holds_off_the_end_of_sequence(client: Client) -> None:
+    short = client.generate(build_request(chat=[("user", "Say hi.")], temperature=0.0, max_tokens=64))
+    assert short.finish_reason == pb.FINISH_REASON_STOP
+    floor = len(short.token_ids) + 5
+    held = client.generate(build_request(chat=[("user", "Say hi.")], temperature=0.0, max_tokens=64, min_tokens=floor))
+    assert len(held.token_ids) >= floor
+
+
+@pytest.mark.parametrize("protocol", ["phasescope.v1", "engine"])
+def test_a_schema_the_compiler_refuses_is_invalid_argument_while_other_requests_complete(
+    client: Client, engine_stub: Any, tokenizer: Any, protocol: str
+) -> None:
+    bad = json.dumps({"type": "object", "properties": {"x": {"type": "no-such-type"}}})
+    answers: list[str] = []
+    # A plain request in flight while the bad one is refused: the engine keeps serving it.
+    plain = threading.Thread(
+        target=lambda: answers.append(client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=24)).text)
+    )
+    if protocol == "engine":
+
+        def refused() -> object:
+            return engine_generate(engine_stub, tokenizer, "Answer in JSON.", max_tokens=16, json_schema=bad)
+    else:
+        structured = pb.StructuredOutput(json_schema=bad)
+
+        def refused() -> object:
+            return client.generate(build_request(chat=CAPITAL, max_tokens=16, structured=structured))
+
+    plain.start()
+    with pytest.raises(grpc.RpcError) as caught:
+        refused()
+    plain.join(timeout=120)
+    field = "sampling_params.json_schema" if protocol == "engine" else "sampling.structured.json_schema"
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith(f"{field}: ")
+    assert len(answers) == 1
+    assert "Paris" in answers[0]
