@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from phasescope.cli.connection import add_client_parser, credentials
@@ -23,6 +25,15 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--top-k", type=int)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--min-tokens", type=int, help="no end of sequence or stop before this many tokens")
+    constraint = parser.add_mutually_exclusive_group()
+    constraint.add_argument(
+        "--json-schema", type=Path, metavar="FILE", help="answer with JSON that validates against the schema in FILE"
+    )
+    constraint.add_argument("--regex", help="answer with text that matches this regular expression")
+    constraint.add_argument(
+        "--choice", action="append", metavar="TEXT", help="answer with exactly one of these (repeat for each)"
+    )
     parser.add_argument(
         "--token-ids-only",
         action="store_true",
@@ -47,16 +58,47 @@ def format_timings(t: pb.Timings) -> str:
     )
 
 
+class UsageError(Exception):
+    """A flag's value that cannot be sent (the message says why)."""
+
+
+def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """SamplingParams' fields from the flags; UsageError for a schema file that cannot be read."""
+    from phasescope.v1 import inference_pb2 as pb
+
+    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
+    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens"):
+        if getattr(args, name) is not None:
+            sampling[name] = getattr(args, name)
+    if args.json_schema is not None:
+        try:
+            schema = args.json_schema.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise UsageError(f"--json-schema: cannot read {args.json_schema}: {exc.strerror}") from exc
+        # The server checks it too; here the error names the file.
+        try:
+            json.loads(schema)
+        except ValueError as exc:
+            raise UsageError(f"--json-schema: {args.json_schema} is not JSON: {exc}") from exc
+        sampling["structured"] = pb.StructuredOutput(json_schema=schema)
+    elif args.regex is not None:
+        sampling["structured"] = pb.StructuredOutput(regex=args.regex)
+    elif args.choice:
+        sampling["structured"] = pb.StructuredOutput(choice=pb.Choice(choices=args.choice))
+    return sampling
+
+
 def cmd(args: argparse.Namespace) -> int:
     import grpc
 
     from phasescope.client.client import Client, build_request, new_traceparent
     from phasescope.v1 import inference_pb2 as pb
 
-    sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed"):
-        if getattr(args, name) is not None:
-            sampling[name] = getattr(args, name)
+    try:
+        sampling = sampling_from_args(args)
+    except UsageError as exc:
+        print(f"phasescope generate: {exc}", file=sys.stderr)
+        return 2
     text: dict[str, Any] = {"chat": [("user", args.text)]} if args.chat else {"prompt": args.text}
     request = build_request(**text, token_ids_only=args.token_ids_only, **sampling)
     try:

@@ -2,8 +2,48 @@
 
 from __future__ import annotations
 
-from phasescope.cli.generate import format_timings
+import argparse
+from pathlib import Path
+
+import pytest
+
+from phasescope.cli.generate import UsageError, add_cli_args, format_timings, sampling_from_args
 from phasescope.v1 import inference_pb2 as pb
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    add_cli_args(parser.add_subparsers())
+    return parser.parse_args(["generate", "hi", *argv])
+
+
+def test_a_json_schema_file_becomes_the_requests_structured_output(tmp_path: Path) -> None:
+    schema = tmp_path / "schema.json"
+    schema.write_text('{"type": "object"}')
+    sampling = sampling_from_args(parse("--json-schema", str(schema), "--min-tokens", "3"))
+    assert sampling["structured"] == pb.StructuredOutput(json_schema='{"type": "object"}')
+    assert sampling["min_tokens"] == 3
+
+
+def test_a_regex_and_choices_are_sent_as_asked() -> None:
+    assert sampling_from_args(parse("--regex", "[0-9]+"))["structured"] == pb.StructuredOutput(regex="[0-9]+")
+    choice = sampling_from_args(parse("--choice", "yes", "--choice", "no"))["structured"]
+    assert list(choice.choice.choices) == ["yes", "no"]
+    assert "structured" not in sampling_from_args(parse())
+
+
+def test_a_schema_file_that_is_missing_or_not_json_names_the_file(tmp_path: Path) -> None:
+    with pytest.raises(UsageError, match="cannot read"):
+        sampling_from_args(parse("--json-schema", str(tmp_path / "missing.json")))
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(UsageError, match=r"bad\.json is not JSON"):
+        sampling_from_args(parse("--json-schema", str(bad)))
+
+
+def test_one_constraint_at_a_time() -> None:
+    with pytest.raises(SystemExit):
+        parse("--regex", "a", "--choice", "b")
 
 
 def test_the_timing_line_lists_each_stage_then_the_request_figures() -> None:
