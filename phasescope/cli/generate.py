@@ -26,6 +26,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--min-tokens", type=int, help="no end of sequence or stop before this many tokens")
+    parser.add_argument(
+        "--logprobs",
+        type=int,
+        metavar="N",
+        help="print each token's log probability and its N likeliest alternatives after the answer",
+    )
     constraint = parser.add_mutually_exclusive_group()
     constraint.add_argument(
         "--json-schema", type=Path, metavar="FILE", help="answer with JSON that validates against the schema in FILE"
@@ -40,6 +46,13 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="ask for token ids without text (the engine skips detokenising); prints the ids",
     )
     return parser
+
+
+def format_logprob(entry: pb.TokenLogprob) -> str:
+    """`token logprob | alternative logprob, ...` for one output token."""
+    line = f"{entry.token_id:>7} {entry.logprob:8.4f}"
+    alternatives = ", ".join(f"{top.token_id} {top.logprob:.4f}" for top in entry.top)
+    return f"{line} | {alternatives}" if alternatives else line
 
 
 def format_timings(t: pb.Timings) -> str:
@@ -67,7 +80,7 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from phasescope.v1 import inference_pb2 as pb
 
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens"):
+    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
     if args.json_schema is not None:
@@ -104,8 +117,10 @@ def cmd(args: argparse.Namespace) -> int:
     try:
         with Client(args.address, timeout_seconds=args.timeout, credentials=credentials(args)) as client:
             last: pb.GenerateStreamResponse | None = None
+            logprobs: list[pb.TokenLogprob] = []
             traceparent, trace_id = new_traceparent()
             for chunk in client.generate_stream(request, traceparent=traceparent):
+                logprobs.extend(chunk.logprobs)
                 if args.token_ids_only:
                     print(" ".join(map(str, chunk.token_ids)), end=" " if chunk.token_ids else "", flush=True)
                 else:
@@ -115,6 +130,8 @@ def cmd(args: argparse.Namespace) -> int:
         print(f"\nphasescope generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
     print()
+    for entry in logprobs:
+        print(format_logprob(entry), file=sys.stderr)
     if last is not None:
         reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
         print(

@@ -66,6 +66,16 @@ class ModelDescription:
     kv_cache_dtype: str = "auto"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    """One output token's log probability, and the most likely tokens at its position."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+    """(token id, log probability) of the `SamplingSpec.logprobs` most likely tokens, most likely first."""
+
+
 @dataclass(slots=True)
 class EngineStep:
     """What one engine step produced for one request (a delta, not the running total).
@@ -87,6 +97,8 @@ class EngineStep:
     """The engine core serving the request (data parallelism), whose steps its decode shares."""
     stop_reason: int | str | None = None
     """On a "stop" finish: the stop token id or stop string that ended it (None: end of sequence)."""
+    logprobs: tuple[TokenLogprob, ...] = ()
+    """One per token of `token_ids` when the request asked for log probabilities, else empty."""
 
 
 class Engine(Protocol):

@@ -17,6 +17,8 @@ class ModelLimits:
     max_chars_per_token: int
     """The longest token in the vocabulary, in characters: text longer than this many
     characters per token of context cannot fit, whatever it says."""
+    max_logprobs: int = 20
+    """The most alternatives per token the engine returns log probabilities for (vLLM's max_logprobs)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,3 +82,6 @@ class SamplingSpec:
     skip_special_tokens: bool = True
     spaces_between_special_tokens: bool = True
     structured: StructuredOutput | None = None
+    logprobs: int | None = None
+    """Log probabilities of each output token and of this many alternatives (0: the sampled token's
+    only); None: none."""

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from phasescope.engine.base import Engine, EngineStep
+from phasescope.engine.base import Engine, EngineStep, TokenLogprob
 from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
@@ -59,8 +59,21 @@ def _prompt_text(parsed: ParsedInput) -> str:
     return " ".join(map(str, parsed.token_ids))
 
 
+def _token_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
+    return [
+        pb.TokenLogprob(
+            token_id=entry.token_id,
+            logprob=entry.logprob,
+            top=[pb.TopLogprob(token_id=token, logprob=value) for token, value in entry.top],
+        )
+        for entry in logprobs
+    ]
+
+
 def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb.GenerateStreamResponse:
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=step.text, token_ids=step.token_ids)
+    if step.logprobs:
+        chunk.logprobs.extend(_token_logprobs(step.logprobs))
     if step.finished:
         chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
         chunk.usage.prompt_tokens = lifecycle.prompt_tokens
@@ -166,6 +179,7 @@ class InferenceServicer:
             async for chunk in chunks:
                 texts.append(chunk.text)
                 response.token_ids.extend(chunk.token_ids)
+                response.logprobs.extend(chunk.logprobs)
                 if chunk.HasField("timings"):
                     response.request_id = chunk.request_id
                     response.finish_reason = chunk.finish_reason

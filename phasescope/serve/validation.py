@@ -231,6 +231,7 @@ class SamplingAsk:
     spaces_between_special_tokens: bool = True
     structured: StructuredOutput | None = None
     """Its `field` is the request's own name for it (the error names it)."""
+    logprobs: int | None = None
 
 
 def structured_output(message: Message, kind: str | None, field: str) -> StructuredOutput | None:
@@ -357,6 +358,8 @@ def check_sampling(
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             refuse(f"logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
     structured = check_structured(ask.structured) if ask.structured is not None else None
+    if ask.logprobs is not None and not 0 <= ask.logprobs <= limits.max_logprobs:
+        refuse("logprobs", f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {ask.logprobs}")
 
     return SamplingSpec(
         max_tokens=max_tokens,
@@ -379,6 +382,7 @@ def check_sampling(
         skip_special_tokens=ask.skip_special_tokens,
         spaces_between_special_tokens=ask.spaces_between_special_tokens,
         structured=structured,
+        logprobs=ask.logprobs,
     )
 
 
@@ -421,6 +425,7 @@ def build_sampling(
             sampling.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
         ),
         structured=_v1_structured(sampling) if has("structured") else None,
+        logprobs=sampling.logprobs if has("logprobs") else None,
     )
     return check_sampling(
         ask,

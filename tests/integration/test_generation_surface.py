@@ -133,3 +133,32 @@ def test_a_schema_the_compiler_refuses_is_invalid_argument_while_other_requests_
     assert (caught.value.details() or "").startswith(f"{field}: ")
     assert len(answers) == 1
     assert "Paris" in answers[0]
+
+
+def test_greedy_log_probabilities_put_the_sampled_token_first_on_both_protocols(
+    client: Client, engine_stub: Any, tokenizer: Any
+) -> None:
+    response = client.generate(build_request(chat=CAPITAL, temperature=0.0, max_tokens=12, logprobs=2))
+    assert [entry.token_id for entry in response.logprobs] == list(response.token_ids)
+    for entry in response.logprobs:
+        assert len(entry.top) == 2
+        assert entry.top[0].token_id == entry.token_id
+        assert entry.top[0].logprob == pytest.approx(entry.logprob)
+        assert entry.logprob <= 0.0
+        assert entry.top[1].logprob <= entry.top[0].logprob
+
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": CAPITAL[0][1]}], tokenize=False, add_generation_prompt=True
+    )
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    request = vllm.GenerateRequest(
+        request_id="logprobs", tokenized=vllm.TokenizedInput(input_ids=ids),
+        sampling_params=vllm.SamplingParams(temperature=0.0, max_tokens=12, logprobs=2), stream=False,
+    )  # fmt: skip
+    (complete,) = [r.complete for r in engine_stub.Generate(request, timeout=120)]
+    logprobs = complete.output_logprobs
+    assert list(logprobs.token_ids) == list(complete.output_ids) == list(response.token_ids)
+    for token, value, top in zip(logprobs.token_ids, logprobs.token_logprobs, logprobs.top_logprobs, strict=True):
+        assert top.token_ids[0] == token
+        assert top.values[0] == pytest.approx(value)
+        assert len(top.token_ids) == 2

@@ -67,6 +67,7 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
     "empty stop string": (build_request(prompt="hi", stop=[""]), "sampling.stop"),
     "huge stop-token list": (build_request(prompt="hi", stop_token_ids=list(range(5000))), "sampling.stop_token_ids"),
     "min_tokens above max_tokens": (build_request(prompt="hi", max_tokens=4, min_tokens=8), "sampling.min_tokens"),
+    "log probabilities beyond the engine's maximum": (build_request(prompt="hi", logprobs=21), "sampling.logprobs"),
     "logit bias outside the vocabulary": (build_request(prompt="hi", logit_bias={VOCAB: 1.0}), "sampling.logit_bias"),
     "logit bias beyond 100": (build_request(prompt="hi", logit_bias={5: 250.0}), "sampling.logit_bias[5]"),
     "structured output with no kind": (
@@ -120,7 +121,7 @@ BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
     "NaN temperature": (_engine_request(temperature=math.nan), "sampling_params.temperature"),
     "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
     "n above 1": (_engine_request(n=2), "sampling_params.n"),
-    "log probabilities": (_engine_request(logprobs=2), "sampling_params.logprobs"),
+    "log probabilities beyond the engine's maximum": (_engine_request(logprobs=21), "sampling_params.logprobs"),
     "JSON schema that is not JSON": (_engine_request(json_schema='{"type": '), "sampling_params.json_schema"),
     "JSON schema the compiler refuses": (
         _engine_request(json_schema='{"type": "no-such-type"}'),

@@ -15,7 +15,7 @@ import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
 
-from phasescope.engine.base import EngineStep, ModelDescription
+from phasescope.engine.base import EngineStep, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.errors import InvalidRequestError
 from phasescope.telemetry.model.cost import model_cost_from_config
@@ -43,6 +43,13 @@ class Script:
     stop_reason: int | str | None = None
     """What the last step says ended it (a stop token id or string)."""
     cached_prompt_tokens: int = 0
+
+
+def scripted_logprob(token: int, top: int) -> TokenLogprob:
+    """What the scripted engine reports for a token when asked: it was the likeliest, at -0.25, and the
+    alternatives follow it one nat apart (token + 1, token + 2, ...)."""
+    alternatives = tuple((token + rank, -0.25 - rank) for rank in range(top))
+    return TokenLogprob(token, -0.25, alternatives)
 
 
 class ScriptedEngine:
@@ -153,6 +160,7 @@ class ScriptedEngine:
                     cached_prompt_tokens=script.cached_prompt_tokens,
                     stamps=EngineTimestamps(queued, scheduled, first, now),
                     stop_reason=script.stop_reason if last else None,
+                    logprobs=(scripted_logprob(token, sampling.logprobs),) if sampling.logprobs is not None else (),
                 )
         except (GeneratorExit, asyncio.CancelledError):
             self.aborted.append(request_id)

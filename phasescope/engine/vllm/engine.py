@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import gc
 import logging
+import math
 import os
 import uuid
 from collections.abc import AsyncGenerator
@@ -17,7 +18,7 @@ from contextlib import aclosing
 from pathlib import Path
 from typing import Any
 
-from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription
+from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
 from phasescope.engine.vllm.stats import stat_logger_factory
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
@@ -68,6 +69,27 @@ def _model_facts(llm: Any) -> dict[str, Any]:
     }
 
 
+def _token_logprobs(token_ids: Any, positions: Any, top: int) -> tuple[TokenLogprob, ...]:
+    """vLLM's per-position `{token id: Logprob}` (the sampled token and the `top` most likely, ranked from
+    1) as the project's values; a position vLLM gave nothing for has a NaN log probability."""
+    out: list[TokenLogprob] = []
+    for token_id, entries in zip(token_ids, positions or (), strict=False):
+        sampled = entries.get(token_id)
+        ranked = sorted(
+            (entry.rank, candidate, float(entry.logprob))
+            for candidate, entry in entries.items()
+            if entry.rank is not None and entry.rank <= top
+        )
+        out.append(
+            TokenLogprob(
+                int(token_id),
+                float(sampled.logprob) if sampled is not None else math.nan,
+                tuple((int(candidate), logprob) for _, candidate, logprob in ranked),
+            )
+        )
+    return tuple(out)
+
+
 def _structured_outputs(structured: StructuredOutput) -> Any:
     """vLLM's `StructuredOutputsParams` for the constraint (its grammar backend compiles it)."""
     from vllm.sampling_params import StructuredOutputsParams
@@ -114,6 +136,7 @@ class VllmEngine:
             max_model_len=description.max_context_length,
             vocab_size=description.vocab_size,
             max_chars_per_token=int(self._tokenizer.max_chars_per_token),
+            max_logprobs=int(getattr(llm.model_config, "max_logprobs", 20)),
         )
         self._default_sampling: dict[str, Any] = dict(llm.model_config.get_diff_sampling_param())
         self._closed = False
@@ -265,6 +288,7 @@ class VllmEngine:
                 min_tokens=spec.min_tokens,
                 logit_bias=dict(spec.logit_bias) or None,
                 include_stop_str_in_output=spec.include_stop_str_in_output,
+                logprobs=spec.logprobs,
                 skip_special_tokens=spec.skip_special_tokens,
                 spaces_between_special_tokens=spec.spaces_between_special_tokens,
                 structured_outputs=structured,
@@ -287,10 +311,10 @@ class VllmEngine:
         # What the engine's own refusals name when they name no parameter: a structured output's field
         # (its grammar compiler's message says what is wrong with it).
         unnamed = sampling.structured.field if sampling.structured is not None else "request"
-        return self._steps(request_id, prompt_token_ids, params, unnamed)
+        return self._steps(request_id, prompt_token_ids, params, unnamed, sampling.logprobs)
 
     async def _steps(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, unnamed: str = "request"
+        self, request_id: str, prompt_token_ids: list[int], params: Any, unnamed: str, logprobs: int | None
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -334,6 +358,9 @@ class VllmEngine:
                         stamps=stamps,
                         engine_index=engine_index,
                         stop_reason=completion.stop_reason,
+                        logprobs=_token_logprobs(completion.token_ids, completion.logprobs, logprobs)
+                        if logprobs is not None
+                        else (),
                     )
         except EngineDeadError as exc:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc

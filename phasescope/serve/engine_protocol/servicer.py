@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from datetime import UTC, datetime
 from pathlib import Path
@@ -28,7 +28,7 @@ from google.protobuf.message import Message
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from phasescope.engine.base import EngineStep
+from phasescope.engine.base import EngineStep, TokenLogprob
 from phasescope.errors import InvalidRequestError, NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import scheduler_loads
@@ -99,6 +99,7 @@ class VllmEngineServicer:
                 with self._abortable(asked.request_id, engine_request_id):
                     # One generator between the engine and gRPC (a second layer costs every message).
                     output_ids: list[int] = []
+                    logprobs: list[TokenLogprob] = []
                     async with aclosing(steps):
                         async for step in steps:
                             lifecycle.took(step)
@@ -107,20 +108,30 @@ class VllmEngineServicer:
                                 lifecycle.chunk_written()
                             else:
                                 output_ids.extend(step.token_ids)
+                                logprobs.extend(step.logprobs)
                             if step.finished:
-                                yield self._last(
-                                    step, list(step.token_ids) if streaming else output_ids, lifecycle, context
+                                # A stream's complete carries the last step's delta, as vLLM's servicer sends it.
+                                ids, probabilities = (
+                                    (list(step.token_ids), step.logprobs) if streaming else (output_ids, logprobs)
                                 )
+                                yield self._last(step, ids, probabilities, lifecycle, context)
                                 lifecycle.chunk_written()
 
     @staticmethod
     def _last(
-        step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle, context: ServicerContext
+        step: EngineStep,
+        output_ids: list[int],
+        logprobs: Sequence[TokenLogprob],
+        lifecycle: RequestLifecycle,
+        context: ServicerContext,
     ) -> pb.GenerateResponse:
         """The stream's `GenerateComplete`, its request's timings set in the trailing metadata first."""
         timings = timings_message(lifecycle.final_timings())
         context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
-        return pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
+        response = pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
+        if logprobs:
+            _fill_logprobs(response.complete.output_logprobs, logprobs)
+        return response
 
     async def Abort(self, request: pb.AbortRequest, context: ServicerContext) -> pb.AbortResponse:
         # Also while draining: an abort only frees work.
@@ -220,7 +231,20 @@ def _chunk(step: EngineStep, prompt_tokens: int) -> pb.GenerateResponse:
     chunk.prompt_tokens = prompt_tokens
     chunk.completion_tokens = len(step.token_ids)
     chunk.cached_tokens = step.cached_prompt_tokens
+    if step.logprobs:
+        _fill_logprobs(chunk.output_logprobs, step.logprobs)
     return response
+
+
+def _fill_logprobs(message: pb.OutputLogProbs, logprobs: Sequence[TokenLogprob]) -> None:
+    """The protocol's `OutputLogProbs`: per position, the token, its log probability and the top-k."""
+    for entry in logprobs:
+        message.token_ids.append(entry.token_id)
+        message.token_logprobs.append(entry.logprob)
+        top = message.top_logprobs.add()
+        for token, value in entry.top:
+            top.token_ids.append(token)
+            top.values.append(value)
 
 
 def _complete(step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle) -> pb.GenerateComplete:

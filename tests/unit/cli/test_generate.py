@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from phasescope.cli.generate import UsageError, add_cli_args, format_timings, sampling_from_args
+from phasescope.cli.generate import UsageError, add_cli_args, format_logprob, format_timings, sampling_from_args
 from phasescope.v1 import inference_pb2 as pb
 
 
@@ -62,3 +62,10 @@ def test_the_timing_line_lists_each_stage_then_the_request_figures() -> None:
         "frontend 6.3 ms | intake 1.7 ms | queue 0.0 ms | prefill 278.8 ms | decode 722.3 ms | "
         "TTFT 286.9 ms | e2e 1009.1 ms | TPOT 103.2 ms | decode 9.7 tok/s"
     )
+
+
+def test_logprobs_are_asked_for_and_printed_one_token_a_line() -> None:
+    assert sampling_from_args(parse("--logprobs", "2"))["logprobs"] == 2
+    assert "logprobs" not in sampling_from_args(parse())
+    entry = pb.TokenLogprob(token_id=42, logprob=-0.5, top=[pb.TopLogprob(token_id=42, logprob=-0.5)])
+    assert format_logprob(entry) == "     42  -0.5000 | 42 -0.5000"

@@ -120,6 +120,21 @@ def test_generate_aggregates_the_steps_and_echoes_the_clients_id() -> None:
     assert response.timings.e2e_seconds > 0
 
 
+def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
+    async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
+        async with serve(ScriptedEngine()) as s:
+            request = build_request(prompt="hi", max_tokens=8, logprobs=1)
+            chunks = [chunk async for chunk in s.client.generate_stream(request)]
+            return chunks, await s.client.generate(request)
+
+    chunks, unary = run(scenario)
+    for chunk in chunks:
+        assert [entry.token_id for entry in chunk.logprobs] == list(chunk.token_ids)
+    assert [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in unary.logprobs] == [
+        (token, -0.25, [(token, -0.25)]) for token in (11, 12, 13)
+    ]
+
+
 def test_an_engine_failure_mid_stream_ends_it_unavailable_and_frees_its_slot() -> None:
     script = Script(tokens=[1, 2, 3, 4], fail_after=2, failure=EngineUnavailableError("an engine core stopped"))
 

@@ -163,6 +163,25 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
 
 
 @run
+async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> None:
+    engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13]))
+    async with serve(engine) as s:
+        streamed = [r async for r in s.stub.Generate(generate("s", max_tokens=8, logprobs=2))]
+        chunks = [r.chunk for r in streamed if r.HasField("chunk")]
+        for chunk in chunks:
+            (token,) = chunk.token_ids
+            assert list(chunk.output_logprobs.token_ids) == [token]
+            assert list(chunk.output_logprobs.token_logprobs) == [-0.25]
+            (top,) = chunk.output_logprobs.top_logprobs
+            assert list(top.token_ids) == [token, token + 1]
+        (unary,) = [r async for r in s.stub.Generate(generate("u", max_tokens=8, logprobs=0, stream=False))]
+        assert list(unary.complete.output_logprobs.token_ids) == [11, 12, 13]
+        assert [list(top.token_ids) for top in unary.complete.output_logprobs.top_logprobs] == [[], [], []]
+        plain = [r async for r in s.stub.Generate(generate("p", max_tokens=8, stream=False))]
+        assert not plain[-1].complete.HasField("output_logprobs")
+
+
+@run
 async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_asked() -> None:
     async with serve(ScriptedEngine()) as s:
         asks = {
@@ -197,7 +216,7 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
         (generate(ids=()), "tokenized.input_ids"),
         (generate(ids=(1, 10**6)), "tokenized.input_ids[1]"),
         (generate(n=2), "sampling_params.n"),
-        (generate(logprobs=2), "sampling_params.logprobs"),
+        (generate(logprobs=21), "sampling_params.logprobs"),
         (generate(json_schema='{"type": '), "sampling_params.json_schema"),
         (generate(choice=pb.ChoiceConstraint(choices=[])), "sampling_params.choice.choices"),
         (generate(regex=""), "sampling_params.regex"),
