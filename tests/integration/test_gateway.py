@@ -7,12 +7,14 @@ times and exports every such request as it does its own protocol's.
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
+import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
@@ -81,6 +83,33 @@ def test_a_greedy_chat_through_the_gateway_answers_and_is_counted(
     server.wait_engine_idle()
     assert server.sample_sum("phasescope_requests_total", code="OK", finish_reason="stop") == before + 2
     assert server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") == decoded_before + 2
+
+
+def test_a_json_schema_response_format_and_logprobs_work_through_the_gateway(
+    openai_client: openai.OpenAI, gateway: GatewayProcess
+) -> None:
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 16}},
+        "required": ["city"],
+        "additionalProperties": False,
+    }
+    answer = openai_client.chat.completions.create(
+        model=gateway.models()[0],
+        messages=CHAT,
+        temperature=0,
+        max_tokens=48,
+        response_format={"type": "json_schema", "json_schema": {"name": "capital", "schema": schema}},
+    )
+    jsonschema.validate(json.loads(answer.choices[0].message.content or ""), schema)
+    scored = openai_client.chat.completions.create(
+        model=gateway.models()[0], messages=CHAT, temperature=0, max_tokens=8, logprobs=True, top_logprobs=2
+    )
+    content = scored.choices[0].logprobs.content if scored.choices[0].logprobs else None
+    assert content
+    for token in content:
+        assert len(token.top_logprobs) == 2
+        assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
 
 
 def test_the_trailing_timings_are_what_the_metrics_observed(server: ServerProcess) -> None:
