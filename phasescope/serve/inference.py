@@ -78,6 +78,7 @@ def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb
         chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
         chunk.usage.prompt_tokens = lifecycle.prompt_tokens
         chunk.usage.completion_tokens = lifecycle.completion_tokens
+        chunk.usage.cached_prompt_tokens = lifecycle.cached_prompt_tokens
         chunk.timings.CopyFrom(timings_message(lifecycle.final_timings()))
     return chunk
 

