@@ -99,6 +99,9 @@ class EngineStep:
     """On a "stop" finish: the stop token id or stop string that ended it (None: end of sequence)."""
     logprobs: tuple[TokenLogprob, ...] = ()
     """One per token of `token_ids` when the request asked for log probabilities, else empty."""
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
+    """On the first step of a request that asked for them: one per prompt token after the first
+    (nothing precedes the first, so it has none), else empty."""
 
 
 class Engine(Protocol):

@@ -85,3 +85,5 @@ class SamplingSpec:
     logprobs: int | None = None
     """Log probabilities of each output token and of this many alternatives (0: the sampled token's
     only); None: none."""
+    prompt_logprobs: int | None = None
+    """The same for each prompt token after the first; None: none."""

@@ -74,6 +74,8 @@ def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=step.text, token_ids=step.token_ids)
     if step.logprobs:
         chunk.logprobs.extend(_token_logprobs(step.logprobs))
+    if step.prompt_logprobs:
+        chunk.prompt_logprobs.extend(_token_logprobs(step.prompt_logprobs))
     if step.finished:
         chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
         chunk.usage.prompt_tokens = lifecycle.prompt_tokens
@@ -181,6 +183,7 @@ class InferenceServicer:
                 texts.append(chunk.text)
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
+                response.prompt_logprobs.extend(chunk.prompt_logprobs)
                 if chunk.HasField("timings"):
                     response.request_id = chunk.request_id
                     response.finish_reason = chunk.finish_reason

@@ -232,6 +232,7 @@ class SamplingAsk:
     structured: StructuredOutput | None = None
     """Its `field` is the request's own name for it (the error names it)."""
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
 
 def structured_output(message: Message, kind: str | None, field: str) -> StructuredOutput | None:
@@ -358,8 +359,9 @@ def check_sampling(
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             refuse(f"logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
     structured = check_structured(ask.structured) if ask.structured is not None else None
-    if ask.logprobs is not None and not 0 <= ask.logprobs <= limits.max_logprobs:
-        refuse("logprobs", f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {ask.logprobs}")
+    for name, asked in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
+        if asked is not None and not 0 <= asked <= limits.max_logprobs:
+            refuse(name, f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {asked}")
 
     return SamplingSpec(
         max_tokens=max_tokens,
@@ -383,6 +385,7 @@ def check_sampling(
         spaces_between_special_tokens=ask.spaces_between_special_tokens,
         structured=structured,
         logprobs=ask.logprobs,
+        prompt_logprobs=ask.prompt_logprobs,
     )
 
 
@@ -426,6 +429,7 @@ def build_sampling(
         ),
         structured=_v1_structured(sampling) if has("structured") else None,
         logprobs=sampling.logprobs if has("logprobs") else None,
+        prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
     )
     return check_sampling(
         ask,

@@ -171,3 +171,21 @@ def test_usage_counts_the_prompt_tokens_the_prefix_cache_held(client: Client) ->
     client.generate(build_request(chat=chat, temperature=0.0, max_tokens=2))
     again = client.generate(build_request(chat=chat, temperature=0.0, max_tokens=2))
     assert 0 < again.usage.cached_prompt_tokens < again.usage.prompt_tokens
+
+
+def test_prompt_log_probabilities_cover_every_prompt_token_after_the_first_on_both_protocols(
+    client: Client, engine_stub: Any
+) -> None:
+    prompt = client.tokenize(chat=CAPITAL)
+    response = client.generate(build_request(token_ids=prompt, temperature=0.0, max_tokens=2, prompt_logprobs=1))
+    assert [entry.token_id for entry in response.prompt_logprobs] == list(prompt[1:])
+    assert all(entry.logprob <= 0.0 and len(entry.top) == 1 for entry in response.prompt_logprobs)
+
+    request = vllm.GenerateRequest(
+        request_id="prompt-logprobs", tokenized=vllm.TokenizedInput(input_ids=prompt),
+        sampling_params=vllm.SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=1), stream=True,
+    )  # fmt: skip
+    first = next(r.chunk for r in engine_stub.Generate(request, timeout=120) if r.HasField("chunk"))
+    assert list(first.input_logprobs.token_ids) == list(prompt)
+    values = [entry.value for entry in first.input_logprobs.token_logprobs[1:]]
+    assert values == pytest.approx([entry.logprob for entry in response.prompt_logprobs], abs=1e-3)

@@ -68,6 +68,10 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
     "huge stop-token list": (build_request(prompt="hi", stop_token_ids=list(range(5000))), "sampling.stop_token_ids"),
     "min_tokens above max_tokens": (build_request(prompt="hi", max_tokens=4, min_tokens=8), "sampling.min_tokens"),
     "log probabilities beyond the engine's maximum": (build_request(prompt="hi", logprobs=21), "sampling.logprobs"),
+    "prompt log probabilities beyond the engine's maximum": (
+        build_request(prompt="hi", prompt_logprobs=21),
+        "sampling.prompt_logprobs",
+    ),
     "logit bias outside the vocabulary": (build_request(prompt="hi", logit_bias={VOCAB: 1.0}), "sampling.logit_bias"),
     "logit bias beyond 100": (build_request(prompt="hi", logit_bias={5: 250.0}), "sampling.logit_bias[5]"),
     "structured output with no kind": (
@@ -122,6 +126,10 @@ BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
     "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
     "n above 1": (_engine_request(n=2), "sampling_params.n"),
     "log probabilities beyond the engine's maximum": (_engine_request(logprobs=21), "sampling_params.logprobs"),
+    "prompt log probabilities beyond the engine's maximum": (
+        _engine_request(prompt_logprobs=21),
+        "sampling_params.prompt_logprobs",
+    ),
     "JSON schema that is not JSON": (_engine_request(json_schema='{"type": '), "sampling_params.json_schema"),
     "JSON schema the compiler refuses": (
         _engine_request(json_schema='{"type": "no-such-type"}'),

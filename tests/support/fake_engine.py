@@ -125,9 +125,11 @@ class ScriptedEngine:
     ) -> AsyncGenerator[EngineStep, None]:
         if sampling.temperature is not None and sampling.temperature > self._refuse_temperature_above:
             raise InvalidRequestError("sampling.temperature", f"must be at most {self._refuse_temperature_above:g}")
-        return self._play(request_id, self._script_for(prompt_token_ids), sampling)
+        return self._play(request_id, self._script_for(prompt_token_ids), sampling, tuple(prompt_token_ids))
 
-    async def _play(self, request_id: str, script: Script, sampling: SamplingSpec) -> AsyncGenerator[EngineStep, None]:
+    async def _play(
+        self, request_id: str, script: Script, sampling: SamplingSpec, prompt: tuple[int, ...] = ()
+    ) -> AsyncGenerator[EngineStep, None]:
         self.started.append(request_id)
         self.sampling[request_id] = sampling
         aborted = self._aborts[request_id] = asyncio.Event()
@@ -161,6 +163,9 @@ class ScriptedEngine:
                     stamps=EngineTimestamps(queued, scheduled, first, now),
                     stop_reason=script.stop_reason if last else None,
                     logprobs=(scripted_logprob(token, sampling.logprobs),) if sampling.logprobs is not None else (),
+                    prompt_logprobs=tuple(scripted_logprob(t, sampling.prompt_logprobs) for t in prompt[1:])
+                    if sampling.prompt_logprobs is not None and index == 0
+                    else (),
                 )
         except (GeneratorExit, asyncio.CancelledError):
             self.aborted.append(request_id)

@@ -289,6 +289,7 @@ class VllmEngine:
                 logit_bias=dict(spec.logit_bias) or None,
                 include_stop_str_in_output=spec.include_stop_str_in_output,
                 logprobs=spec.logprobs,
+                prompt_logprobs=spec.prompt_logprobs,
                 skip_special_tokens=spec.skip_special_tokens,
                 spaces_between_special_tokens=spec.spaces_between_special_tokens,
                 structured_outputs=structured,
@@ -311,10 +312,16 @@ class VllmEngine:
         # What the engine's own refusals name when they name no parameter: a structured output's field
         # (its grammar compiler's message says what is wrong with it).
         unnamed = sampling.structured.field if sampling.structured is not None else "request"
-        return self._steps(request_id, prompt_token_ids, params, unnamed, sampling.logprobs)
+        return self._steps(request_id, prompt_token_ids, params, unnamed, sampling.logprobs, sampling.prompt_logprobs)
 
     async def _steps(
-        self, request_id: str, prompt_token_ids: list[int], params: Any, unnamed: str, logprobs: int | None
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: Any,
+        unnamed: str,
+        logprobs: int | None,
+        prompt_logprobs: int | None,
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -360,6 +367,12 @@ class VllmEngine:
                         stop_reason=completion.stop_reason,
                         logprobs=_token_logprobs(completion.token_ids, completion.logprobs, logprobs)
                         if logprobs is not None
+                        else (),
+                        # vLLM sends the prompt's with the first output: position 0 (None) has nothing before it.
+                        prompt_logprobs=_token_logprobs(
+                            prompt_token_ids[1:], output.prompt_logprobs[1:], prompt_logprobs
+                        )
+                        if prompt_logprobs is not None and output.prompt_logprobs
                         else (),
                     )
         except EngineDeadError as exc:

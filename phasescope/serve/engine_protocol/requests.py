@@ -27,10 +27,7 @@ from phasescope.serve.validation import (
 
 # Sampling fields the engine protocol carries that this worker does not offer yet, with what
 # "not asked" looks like for each (the whole generation surface is its own issue).
-_NOT_OFFERED: tuple[tuple[str, str], ...] = (
-    ("prompt_logprobs", "prompt log probabilities"),
-    ("truncate_prompt_tokens", "prompt truncation"),
-)
+_NOT_OFFERED: tuple[tuple[str, str], ...] = (("truncate_prompt_tokens", "prompt truncation"),)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +105,7 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         spaces_between_special_tokens=sampling.spaces_between_special_tokens,
         structured=structured_output(sampling, sampling.WhichOneof("constraint"), prefix),
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
+        prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
     )
     # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
     return check_sampling(ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop))

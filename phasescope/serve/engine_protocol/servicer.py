@@ -100,21 +100,26 @@ class VllmEngineServicer:
                     # One generator between the engine and gRPC (a second layer costs every message).
                     output_ids: list[int] = []
                     logprobs: list[TokenLogprob] = []
+                    prompt_logprobs: list[TokenLogprob] = []
                     async with aclosing(steps):
                         async for step in steps:
                             lifecycle.took(step)
                             if streaming:
-                                yield _chunk(step, lifecycle.prompt_tokens)
+                                yield _chunk(step, lifecycle.prompt_tokens, prompt[0])
                                 lifecycle.chunk_written()
                             else:
                                 output_ids.extend(step.token_ids)
                                 logprobs.extend(step.logprobs)
+                                prompt_logprobs.extend(step.prompt_logprobs)
                             if step.finished:
                                 # A stream's complete carries the last step's delta, as vLLM's servicer sends it.
                                 ids, probabilities = (
                                     (list(step.token_ids), step.logprobs) if streaming else (output_ids, logprobs)
                                 )
-                                yield self._last(step, ids, probabilities, lifecycle, context)
+                                last = self._last(step, ids, probabilities, lifecycle, context)
+                                if prompt_logprobs:
+                                    _fill_input_logprobs(last.complete.input_logprobs, prompt[0], prompt_logprobs)
+                                yield last
                                 lifecycle.chunk_written()
 
     @staticmethod
@@ -222,7 +227,7 @@ class VllmEngineServicer:
         yield  # an async generator: a server-streaming RPC
 
 
-def _chunk(step: EngineStep, prompt_tokens: int) -> pb.GenerateResponse:
+def _chunk(step: EngineStep, prompt_tokens: int, first_prompt_token: int) -> pb.GenerateResponse:
     """A step's chunk, filled in place: `GenerateResponse(chunk=GenerateStreamChunk(...))` copies the
     submessage, and costs twice as much on the path every streamed token takes."""
     response = pb.GenerateResponse()
@@ -233,7 +238,24 @@ def _chunk(step: EngineStep, prompt_tokens: int) -> pb.GenerateResponse:
     chunk.cached_tokens = step.cached_prompt_tokens
     if step.logprobs:
         _fill_logprobs(chunk.output_logprobs, step.logprobs)
+    if step.prompt_logprobs:
+        _fill_input_logprobs(chunk.input_logprobs, first_prompt_token, step.prompt_logprobs)
     return response
+
+
+def _fill_input_logprobs(message: pb.InputLogProbs, first: int, logprobs: Sequence[TokenLogprob]) -> None:
+    """The protocol's `InputLogProbs`, as vLLM's servicer writes them: the first prompt token with no value
+    (nothing precedes it), then each later one's log probability and top-k."""
+    message.token_ids.append(first)
+    message.token_logprobs.add()
+    message.top_logprobs.add()
+    for entry in logprobs:
+        message.token_ids.append(entry.token_id)
+        message.token_logprobs.add(value=entry.logprob)
+        top = message.top_logprobs.add()
+        for token, value in entry.top:
+            top.token_ids.append(token)
+            top.values.append(value)
 
 
 def _fill_logprobs(message: pb.OutputLogProbs, logprobs: Sequence[TokenLogprob]) -> None:

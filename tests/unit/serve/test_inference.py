@@ -143,6 +143,20 @@ def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
     assert [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in unary.logprobs] == [
         (token, -0.25, [(token, -0.25)]) for token in (11, 12, 13)
     ]
+    assert not unary.prompt_logprobs
+
+
+def test_prompt_log_probabilities_come_once_for_each_prompt_token_after_the_first() -> None:
+    async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
+        async with serve(ScriptedEngine()) as s:
+            request = build_request(token_ids=[5, 6, 7], max_tokens=8, prompt_logprobs=0)
+            chunks = [chunk async for chunk in s.client.generate_stream(request)]
+            return chunks, await s.client.generate(request)
+
+    chunks, unary = run(scenario)
+    assert [entry.token_id for entry in chunks[0].prompt_logprobs] == [6, 7]
+    assert not any(chunk.prompt_logprobs for chunk in chunks[1:])
+    assert [entry.token_id for entry in unary.prompt_logprobs] == [6, 7]
 
 
 def test_an_engine_failure_mid_stream_ends_it_unavailable_and_frees_its_slot() -> None:

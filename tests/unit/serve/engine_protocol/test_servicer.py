@@ -179,6 +179,21 @@ async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> Non
         assert [list(top.token_ids) for top in unary.complete.output_logprobs.top_logprobs] == [[], [], []]
         plain = [r async for r in s.stub.Generate(generate("p", max_tokens=8, stream=False))]
         assert not plain[-1].complete.HasField("output_logprobs")
+        assert not plain[-1].complete.HasField("input_logprobs")
+
+
+@run
+async def test_prompt_log_probabilities_ride_the_first_chunk_or_the_unary_complete() -> None:
+    async with serve(ScriptedEngine()) as s:
+        streamed = [r async for r in s.stub.Generate(generate("s", ids=(5, 6, 7), max_tokens=8, prompt_logprobs=1))]
+        first, *rest = [r.chunk for r in streamed if r.HasField("chunk")]
+        # As vLLM's servicer writes them: the first prompt token has no value (nothing precedes it).
+        assert list(first.input_logprobs.token_ids) == [5, 6, 7]
+        assert [v.HasField("value") for v in first.input_logprobs.token_logprobs] == [False, True, True]
+        assert [list(top.token_ids) for top in first.input_logprobs.top_logprobs] == [[], [6], [7]]
+        assert not any(chunk.HasField("input_logprobs") for chunk in rest)
+        (unary,) = [r async for r in s.stub.Generate(generate("u", ids=(5, 6), prompt_logprobs=0, stream=False))]
+        assert list(unary.complete.input_logprobs.token_ids) == [5, 6]
 
 
 @run
