@@ -33,6 +33,7 @@ from phasescope.serve.validation import (
     decode_watch_request,
     parse_generate_input,
     parse_tokenize_input,
+    truncate_prompt,
 )
 from phasescope.serve.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
@@ -142,6 +143,8 @@ class InferenceServicer:
         """Tokenise, check against the model's limits, and start the engine request; its steps and the
         request id the chunks carry."""
         prompt_token_ids = await tokenize_off_loop(engine, parsed)
+        keep = request.sampling.truncate_prompt_tokens if request.sampling.HasField("truncate_prompt_tokens") else None
+        prompt_token_ids = truncate_prompt(prompt_token_ids, keep, engine.limits, "sampling.truncate_prompt_tokens")
         check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
         sampling = build_sampling(
             request.sampling,

@@ -196,6 +196,18 @@ def check_prompt_chars(chars: int, limits: ModelLimits, field: str) -> None:
         )
 
 
+def truncate_prompt(prompt: list[int], keep: int | None, limits: ModelLimits, field: str) -> list[int]:
+    """The prompt's last `keep` tokens (vLLM's truncate_prompt_tokens); -1 keeps as many as leave room for one
+    output token; None keeps it whole. Text is still bounded by `check_prompt_chars` before it is tokenised."""
+    if keep is None:
+        return prompt
+    if keep == -1:
+        keep = limits.max_model_len - 1
+    if keep < 1:
+        raise InvalidRequestError(field, f"must be -1 (the context window less one token) or at least 1, got {keep}")
+    return prompt[-keep:] if len(prompt) > keep else prompt
+
+
 def check_prompt_length(prompt_tokens: int, limits: ModelLimits, field: str) -> None:
     if prompt_tokens == 0:
         raise InvalidRequestError(field, "renders to no tokens")

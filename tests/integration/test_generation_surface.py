@@ -189,3 +189,13 @@ def test_prompt_log_probabilities_cover_every_prompt_token_after_the_first_on_bo
     assert list(first.input_logprobs.token_ids) == list(prompt)
     values = [entry.value for entry in first.input_logprobs.token_logprobs[1:]]
     assert values == pytest.approx([entry.logprob for entry in response.prompt_logprobs], abs=1e-3)
+
+
+def test_a_prompt_longer_than_the_context_is_served_truncated_to_its_last_tokens(client: Client) -> None:
+    info = client.model_info()
+    window = info.max_context_length
+    response = client.generate(
+        build_request(token_ids=[42] * (window + 50), max_tokens=1, ignore_eos=True, truncate_prompt_tokens=-1)
+    )
+    assert response.usage.prompt_tokens == window - 1
+    assert len(response.token_ids) == 1

@@ -72,6 +72,10 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
         build_request(prompt="hi", prompt_logprobs=21),
         "sampling.prompt_logprobs",
     ),
+    "truncation to no tokens": (
+        build_request(prompt="hi", truncate_prompt_tokens=0),
+        "sampling.truncate_prompt_tokens",
+    ),
     "logit bias outside the vocabulary": (build_request(prompt="hi", logit_bias={VOCAB: 1.0}), "sampling.logit_bias"),
     "logit bias beyond 100": (build_request(prompt="hi", logit_bias={5: 250.0}), "sampling.logit_bias[5]"),
     "structured output with no kind": (
@@ -130,6 +134,7 @@ BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
         _engine_request(prompt_logprobs=21),
         "sampling_params.prompt_logprobs",
     ),
+    "truncation below -1": (_engine_request(truncate_prompt_tokens=-2), "sampling_params.truncate_prompt_tokens"),
     "JSON schema that is not JSON": (_engine_request(json_schema='{"type": '), "sampling_params.json_schema"),
     "JSON schema the compiler refuses": (
         _engine_request(json_schema='{"type": "no-such-type"}'),

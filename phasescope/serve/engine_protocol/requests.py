@@ -25,10 +25,6 @@ from phasescope.serve.validation import (
     structured_output,
 )
 
-# Sampling fields the engine protocol carries that this worker does not offer yet, with what
-# "not asked" looks like for each (the whole generation surface is its own issue).
-_NOT_OFFERED: tuple[tuple[str, str], ...] = (("truncate_prompt_tokens", "prompt truncation"),)
-
 
 @dataclass(frozen=True, slots=True)
 class EngineProtocolRequest:
@@ -79,9 +75,6 @@ def parse_generate(request: pb.GenerateRequest, limits: ModelLimits, data_parall
 def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits) -> SamplingSpec:
     """The sampling message validated against the prompt and the model, in this protocol's field names."""
     prefix = "sampling_params."
-    for field, what in _NOT_OFFERED:
-        if sampling.HasField(field):
-            raise InvalidRequestError(f"{prefix}{field}", f"{what} are not offered by this worker yet")
     if sampling.n > 1:
         raise InvalidRequestError(f"{prefix}n", f"one sample per request is offered by this worker, got {sampling.n}")
     ask = SamplingAsk(

@@ -35,7 +35,7 @@ from phasescope.serve.engine_protocol.loads import scheduler_loads
 from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
 from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
-from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder
+from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder, truncate_prompt
 from phasescope.serve.watch import TelemetrySource
 from phasescope.telemetry.request.phases import RequestParameters
 
@@ -86,6 +86,9 @@ class VllmEngineServicer:
             asked = parse_generate(request, engine.limits, engine.description.data_parallel_size)
             async with lifecycle.admitted(path.caller(context)):
                 prompt = await tokenize_off_loop(engine, asked.parsed)
+                sampling_ask = asked.sampling
+                keep = sampling_ask.truncate_prompt_tokens if sampling_ask.HasField("truncate_prompt_tokens") else None
+                prompt = truncate_prompt(prompt, keep, engine.limits, "sampling_params.truncate_prompt_tokens")
                 check_prompt_length(len(prompt), engine.limits, "tokenized.input_ids")
                 sampling = build_sampling(asked.sampling, len(prompt), engine.limits)
                 # The engine's id is ours (gateway ids may collide across gateways); Abort maps them.

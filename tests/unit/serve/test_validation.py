@@ -11,6 +11,7 @@ from phasescope.serve.validation import (
     check_prompt_length,
     decode_generate_request,
     parse_generate_input,
+    truncate_prompt,
 )
 from phasescope.v1 import inference_pb2 as pb
 
@@ -224,3 +225,16 @@ def test_prompt_without_room_for_output_is_refused(prompt_tokens: int) -> None:
 
 def test_prompt_one_token_short_of_the_window_is_accepted() -> None:
     check_prompt_length(99, LIMITS, "prompt")
+
+
+def test_truncation_keeps_the_prompts_last_tokens() -> None:
+    prompt = list(range(1, 11))
+    assert truncate_prompt(prompt, None, LIMITS, "f") == prompt
+    assert truncate_prompt(prompt, 3, LIMITS, "f") == [8, 9, 10]
+    assert truncate_prompt(prompt, 30, LIMITS, "f") == prompt
+    long = list(range(150))
+    assert truncate_prompt(long, -1, LIMITS, "f") == long[-99:]  # room for one output token in 100
+    for bad in (0, -2):
+        with pytest.raises(InvalidRequestError) as caught:
+            truncate_prompt(prompt, bad, LIMITS, "sampling.truncate_prompt_tokens")
+        assert caught.value.field == "sampling.truncate_prompt_tokens"

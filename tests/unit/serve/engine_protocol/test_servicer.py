@@ -183,6 +183,14 @@ async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> Non
 
 
 @run
+async def test_a_truncated_prompt_reaches_the_engine_as_its_last_tokens() -> None:
+    async with serve(ScriptedEngine()) as s:
+        request = generate("t", ids=(5, 6, 7, 8), max_tokens=2, truncate_prompt_tokens=2, stream=False)
+        (response,) = [r async for r in s.stub.Generate(request)]
+        assert response.complete.prompt_tokens == 2
+
+
+@run
 async def test_prompt_log_probabilities_ride_the_first_chunk_or_the_unary_complete() -> None:
     async with serve(ScriptedEngine()) as s:
         streamed = [r async for r in s.stub.Generate(generate("s", ids=(5, 6, 7), max_tokens=8, prompt_logprobs=1))]
