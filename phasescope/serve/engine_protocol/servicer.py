@@ -255,10 +255,7 @@ def _fill_input_logprobs(message: pb.InputLogProbs, first: int, logprobs: Sequen
     for entry in logprobs:
         message.token_ids.append(entry.token_id)
         message.token_logprobs.add(value=entry.logprob)
-        top = message.top_logprobs.add()
-        for token, value in entry.top:
-            top.token_ids.append(token)
-            top.values.append(value)
+        _fill_top(message.top_logprobs.add(), entry)
 
 
 def _fill_logprobs(message: pb.OutputLogProbs, logprobs: Sequence[TokenLogprob]) -> None:
@@ -266,10 +263,14 @@ def _fill_logprobs(message: pb.OutputLogProbs, logprobs: Sequence[TokenLogprob])
     for entry in logprobs:
         message.token_ids.append(entry.token_id)
         message.token_logprobs.append(entry.logprob)
-        top = message.top_logprobs.add()
-        for token, value in entry.top:
-            top.token_ids.append(token)
-            top.values.append(value)
+        _fill_top(message.top_logprobs.add(), entry)
+
+
+def _fill_top(top: pb.TopLogProbs, entry: TokenLogprob) -> None:
+    """One position's most likely tokens, most likely first."""
+    for token, value in entry.top:
+        top.token_ids.append(token)
+        top.values.append(value)
 
 
 def _complete(step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle) -> pb.GenerateComplete:
