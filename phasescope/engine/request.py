@@ -87,3 +87,5 @@ class SamplingSpec:
     only); None: none."""
     prompt_logprobs: int | None = None
     """The same for each prompt token after the first; None: none."""
+    bad_words: tuple[str, ...] = ()
+    """Words the output never contains (vLLM bans each one's tokens, with and without a leading space)."""

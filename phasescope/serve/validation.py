@@ -245,6 +245,7 @@ class SamplingAsk:
     """Its `field` is the request's own name for it (the error names it)."""
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    bad_words: Sequence[str] = ()
 
 
 def structured_output(message: Message, kind: str | None, field: str) -> StructuredOutput | None:
@@ -371,6 +372,13 @@ def check_sampling(
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             refuse(f"logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
     structured = check_structured(ask.structured) if ask.structured is not None else None
+    if len(ask.bad_words) > MAX_STOP_STRINGS:
+        refuse("bad_words", f"at most {MAX_STOP_STRINGS} words, got {len(ask.bad_words)}")
+    for index, word in enumerate(ask.bad_words):
+        if not word.strip():
+            refuse(f"bad_words[{index}]", "must not be empty or blank")
+        if len(word) > MAX_STOP_STRING_CHARS:
+            refuse(f"bad_words[{index}]", f"longer than {MAX_STOP_STRING_CHARS} characters")
     for name, asked in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
         if asked is not None and not 0 <= asked <= limits.max_logprobs:
             refuse(name, f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {asked}")
@@ -398,6 +406,7 @@ def check_sampling(
         structured=structured,
         logprobs=ask.logprobs,
         prompt_logprobs=ask.prompt_logprobs,
+        bad_words=tuple(ask.bad_words),
     )
 
 
@@ -442,6 +451,7 @@ def build_sampling(
         structured=_v1_structured(sampling) if has("structured") else None,
         logprobs=sampling.logprobs if has("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
+        bad_words=sampling.bad_words,
     )
     return check_sampling(
         ask,

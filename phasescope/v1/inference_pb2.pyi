@@ -183,6 +183,7 @@ class SamplingParams(_message.Message):
     LOGPROBS_FIELD_NUMBER: _builtins.int
     PROMPT_LOGPROBS_FIELD_NUMBER: _builtins.int
     TRUNCATE_PROMPT_TOKENS_FIELD_NUMBER: _builtins.int
+    BAD_WORDS_FIELD_NUMBER: _builtins.int
     max_tokens: _builtins.int
     """Tokens to generate at most; unset: the rest of the context window."""
     temperature: _builtins.float
@@ -240,6 +241,13 @@ class SamplingParams(_message.Message):
     def structured(self) -> Global___StructuredOutput:
         """Constrain the output to a structure; unset: free text."""
 
+    @_builtins.property
+    def bad_words(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """Words the output never contains: the engine bans each one's tokens, with
+        and without a leading space (vLLM's bad_words). At most 64, each at most
+        1024 characters and not blank.
+        """
+
     def __init__(
         self,
         *,
@@ -264,10 +272,11 @@ class SamplingParams(_message.Message):
         logprobs: _builtins.int | None = ...,
         prompt_logprobs: _builtins.int | None = ...,
         truncate_prompt_tokens: _builtins.int | None = ...,
+        bad_words: _abc.Iterable[_builtins.str] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "frequency_penalty", b"frequency_penalty", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty", "_logprobs", b"_logprobs", "_max_tokens", b"_max_tokens", "_min_p", b"_min_p", "_presence_penalty", b"_presence_penalty", "_prompt_logprobs", b"_prompt_logprobs", "_repetition_penalty", b"_repetition_penalty", "_seed", b"_seed", "_skip_special_tokens", b"_skip_special_tokens", "_spaces_between_special_tokens", b"_spaces_between_special_tokens", "_temperature", b"_temperature", "_top_k", b"_top_k", "_top_p", b"_top_p", "_truncate_prompt_tokens", b"_truncate_prompt_tokens", "bad_words", b"bad_words", "frequency_penalty", b"frequency_penalty", "ignore_eos", b"ignore_eos", "include_stop_str_in_output", b"include_stop_str_in_output", "logit_bias", b"logit_bias", "logprobs", b"logprobs", "max_tokens", b"max_tokens", "min_p", b"min_p", "min_tokens", b"min_tokens", "presence_penalty", b"presence_penalty", "prompt_logprobs", b"prompt_logprobs", "repetition_penalty", b"repetition_penalty", "seed", b"seed", "skip_special_tokens", b"skip_special_tokens", "spaces_between_special_tokens", b"spaces_between_special_tokens", "stop", b"stop", "stop_token_ids", b"stop_token_ids", "structured", b"structured", "temperature", b"temperature", "top_k", b"top_k", "top_p", b"top_p", "truncate_prompt_tokens", b"truncate_prompt_tokens"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType__frequency_penalty: _TypeAlias = _typing.Literal["frequency_penalty"]  # noqa: Y015
     _WhichOneofArgType__frequency_penalty: _TypeAlias = _typing.Literal["_frequency_penalty", b"_frequency_penalty"]  # noqa: Y015

@@ -199,3 +199,11 @@ def test_a_prompt_longer_than_the_context_is_served_truncated_to_its_last_tokens
     )
     assert response.usage.prompt_tokens == window - 1
     assert len(response.token_ids) == 1
+
+
+def test_a_bad_word_never_appears_in_the_answer(client: Client) -> None:
+    capital = [("user", "What is the capital of France?")]
+    plain = client.generate(build_request(chat=capital, temperature=0.0, max_tokens=24))
+    assert "Paris" in plain.text
+    banned = client.generate(build_request(chat=capital, temperature=0.0, max_tokens=24, bad_words=["Paris"]))
+    assert "Paris" not in banned.text

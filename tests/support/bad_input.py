@@ -72,6 +72,7 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
         build_request(prompt="hi", prompt_logprobs=21),
         "sampling.prompt_logprobs",
     ),
+    "blank bad word": (build_request(prompt="hi", bad_words=["  "]), "sampling.bad_words[0]"),
     "truncation to no tokens": (
         build_request(prompt="hi", truncate_prompt_tokens=0),
         "sampling.truncate_prompt_tokens",

@@ -290,6 +290,7 @@ class VllmEngine:
                 include_stop_str_in_output=spec.include_stop_str_in_output,
                 logprobs=spec.logprobs,
                 prompt_logprobs=spec.prompt_logprobs,
+                bad_words=list(spec.bad_words) or None,
                 skip_special_tokens=spec.skip_special_tokens,
                 spaces_between_special_tokens=spec.spaces_between_special_tokens,
                 structured_outputs=structured,

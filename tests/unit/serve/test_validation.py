@@ -135,6 +135,8 @@ def test_well_formed_request_decodes() -> None:
         ({"stop": ["s"] * (MAX_STOP_STRINGS + 1)}, "sampling.stop"),
         ({"stop_token_ids": [5, 1000]}, "sampling.stop_token_ids[1]"),
         ({"max_tokens": 4, "min_tokens": 5}, "sampling.min_tokens"),
+        ({"bad_words": ["ok", " "]}, "sampling.bad_words[1]"),
+        ({"bad_words": ["w"] * (MAX_STOP_STRINGS + 1)}, "sampling.bad_words"),
         ({"logit_bias": {1000: 1.0}}, "sampling.logit_bias"),
         ({"logit_bias": {7: 101.0}}, "sampling.logit_bias[7]"),
         ({"logit_bias": {7: math.nan}}, "sampling.logit_bias[7]"),
@@ -177,6 +179,8 @@ def test_the_generation_surface_reaches_the_engine_as_asked() -> None:
     assert choice.structured == StructuredOutput(
         "choice", choices=("yes", "no"), field="sampling.structured.choice.choices"
     )
+    banned = build_sampling(sampling(max_tokens=8, bad_words=["Paris", "Lyon"]), prompt_tokens=10, limits=LIMITS)
+    assert banned.bad_words == ("Paris", "Lyon")
     plain = build_sampling(sampling(max_tokens=8), prompt_tokens=10, limits=LIMITS)
     assert plain.structured is None
     assert plain.skip_special_tokens
