@@ -28,6 +28,9 @@ from phasescope.v1 import inference_pb2 as pb
 CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
+# Bad words are bounded as stop strings are: both are matched against the output on every step.
+MAX_BAD_WORDS = MAX_STOP_STRINGS
+MAX_BAD_WORD_CHARS = MAX_STOP_STRING_CHARS
 MAX_STOP_TOKEN_IDS = 1024
 MAX_LOGIT_BIASES = 1024
 MAX_CHOICES = 1024
@@ -372,13 +375,13 @@ def check_sampling(
         if not (math.isfinite(bias) and -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS):
             refuse(f"logit_bias[{token}]", f"must be in [-{MAX_LOGIT_BIAS:g}, {MAX_LOGIT_BIAS:g}], got {bias}")
     structured = check_structured(ask.structured) if ask.structured is not None else None
-    if len(ask.bad_words) > MAX_STOP_STRINGS:
-        refuse("bad_words", f"at most {MAX_STOP_STRINGS} words, got {len(ask.bad_words)}")
+    if len(ask.bad_words) > MAX_BAD_WORDS:
+        refuse("bad_words", f"at most {MAX_BAD_WORDS} words, got {len(ask.bad_words)}")
     for index, word in enumerate(ask.bad_words):
         if not word.strip():
             refuse(f"bad_words[{index}]", "must not be empty or blank")
-        if len(word) > MAX_STOP_STRING_CHARS:
-            refuse(f"bad_words[{index}]", f"longer than {MAX_STOP_STRING_CHARS} characters")
+        if len(word) > MAX_BAD_WORD_CHARS:
+            refuse(f"bad_words[{index}]", f"longer than {MAX_BAD_WORD_CHARS} characters")
     for name, asked in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
         if asked is not None and not 0 <= asked <= limits.max_logprobs:
             refuse(name, f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {asked}")
