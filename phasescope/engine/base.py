@@ -86,8 +86,9 @@ class EngineStep:
     text: str
     token_ids: tuple[int, ...]
     finished: bool
+    """The request's last step: every sample has finished."""
     finish_reason: str | None
-    """"stop", "length" or "abort" on the last step, else None."""
+    """"stop", "length" or "abort" on the sample's last step, else None."""
     completion_tokens: int
     """Tokens generated so far, this step included."""
     cached_prompt_tokens: int
@@ -102,6 +103,9 @@ class EngineStep:
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
     """On the first step of a request that asked for them: one per prompt token after the first
     (nothing precedes the first, so it has none), else empty."""
+    index: int = 0
+    """The sample this step belongs to (0 to `SamplingSpec.n` − 1): each is its own sequence, whose
+    counts and stamps are its own."""
 
 
 class Engine(Protocol):
@@ -121,7 +125,8 @@ class Engine(Protocol):
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineStep, None]:
-        """Stream the request's steps; closing the iterator aborts the engine request.
+        """Stream the request's steps; closing the iterator aborts the engine request. With `sampling.n`
+        > 1 the samples' steps interleave, each with its `index`, and the last one is `finished`.
 
         Sampling the engine refuses raises InvalidRequestError from this call, before
         the request reaches the engine.

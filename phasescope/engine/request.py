@@ -89,3 +89,5 @@ class SamplingSpec:
     """The same for each prompt token after the first; None: none."""
     bad_words: tuple[str, ...] = ()
     """Words the output never contains (vLLM bans each one's tokens, with and without a leading space)."""
+    n: int = 1
+    """Samples drawn for the one prompt, each its own sequence in the engine (sample i's seed is `seed` + i)."""

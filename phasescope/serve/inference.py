@@ -73,16 +73,20 @@ def _token_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]
 
 def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb.GenerateStreamResponse:
     chunk = pb.GenerateStreamResponse(request_id=request_id, text=step.text, token_ids=step.token_ids)
+    if step.index:
+        chunk.index = step.index
     if step.logprobs:
         chunk.logprobs.extend(_token_logprobs(step.logprobs))
     if step.prompt_logprobs:
         chunk.prompt_logprobs.extend(_token_logprobs(step.prompt_logprobs))
-    if step.finished:
+    if step.finish_reason is not None or step.finished:
+        # A sample's last chunk: its finish and its stages (with n = 1, the stream's last chunk).
         chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        chunk.timings.CopyFrom(timings_message(lifecycle.final_timings(step.index)))
+    if step.finished:
         chunk.usage.prompt_tokens = lifecycle.prompt_tokens
         chunk.usage.completion_tokens = lifecycle.completion_tokens
         chunk.usage.cached_prompt_tokens = lifecycle.cached_prompt_tokens
-        chunk.timings.CopyFrom(timings_message(lifecycle.final_timings()))
     return chunk
 
 
@@ -166,7 +170,7 @@ class InferenceServicer:
             top_p=sampling.top_p,
         )
         prompt_text = _prompt_text(parsed) if self._path.capture_text else ""
-        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text)
+        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text, sampling.n)
         return steps, request_id
 
     async def GenerateStream(
@@ -181,18 +185,36 @@ class InferenceServicer:
     ) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
         texts: list[str] = []
+        # With n > 1: the samples after the first, by index, and their texts.
+        samples: dict[int, tuple[pb.Sample, list[str]]] = {}
         async with aclosing(self._run(request, context, streaming=False)) as chunks:
             async for chunk in chunks:
+                if chunk.HasField("usage"):  # the stream's last chunk, whichever sample's
+                    response.request_id = chunk.request_id
+                    response.usage.CopyFrom(chunk.usage)
+                if chunk.index:
+                    if chunk.index not in samples:
+                        samples[chunk.index] = (pb.Sample(index=chunk.index), [])
+                    sample, sample_texts = samples[chunk.index]
+                    sample_texts.append(chunk.text)
+                    sample.token_ids.extend(chunk.token_ids)
+                    sample.logprobs.extend(chunk.logprobs)
+                    if chunk.HasField("timings"):
+                        sample.finish_reason = chunk.finish_reason
+                        sample.timings.CopyFrom(chunk.timings)
+                    continue
                 texts.append(chunk.text)
                 response.token_ids.extend(chunk.token_ids)
                 response.logprobs.extend(chunk.logprobs)
                 response.prompt_logprobs.extend(chunk.prompt_logprobs)
                 if chunk.HasField("timings"):
-                    response.request_id = chunk.request_id
                     response.finish_reason = chunk.finish_reason
-                    response.usage.CopyFrom(chunk.usage)
                     response.timings.CopyFrom(chunk.timings)
         response.text = "".join(texts)
+        for index in sorted(samples):
+            sample, sample_texts = samples[index]
+            sample.text = "".join(sample_texts)
+            response.samples.append(sample)
         return response
 
     async def Tokenize(

@@ -48,6 +48,7 @@ from phasescope.telemetry.request.phases import (
     PhaseTimings,
     RequestParameters,
     RequestText,
+    SampleRecord,
     derive_phase_timings,
 )
 from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
@@ -145,8 +146,54 @@ class RequestPath:
         return RequestLifecycle(self, streaming, functools.partial(_deadline_passed, context))
 
 
+_FINISH_PRECEDENCE = {"abort": 0, "error": 1, "length": 2, "stop": 3}
+
+
+class SampleProgress:
+    """What one sample (one sequence in the engine) has produced so far; a request has one per sample."""
+
+    __slots__ = (
+        "_decode_start",
+        "_totals",
+        "cached_prompt_tokens",
+        "completion_tokens",
+        "finish_reason",
+        "first_token_reported",
+        "index",
+        "interference",
+        "stamps",
+    )
+
+    def __init__(self, index: int) -> None:
+        self.index = index
+        self.completion_tokens = 0
+        self.cached_prompt_tokens = 0
+        self.finish_reason: str | None = None
+        self.stamps: EngineTimestamps | None = None
+        self.interference = NO_INTERFERENCE
+        """What other requests' prefill chunks have cost this sample's decode so far."""
+        # The engine's running totals at the first token, and at the latest step.
+        self._decode_start: Interference | None = None
+        self._totals = NO_INTERFERENCE
+        self.first_token_reported = False
+
+    def read_interference(self, totals: Interference) -> None:
+        # The engine's totals advance in the output pass that delivered this step's tokens (its stat
+        # logger runs before this request's consumer resumes): read at the first token and since,
+        # their difference is what this sample's decode shared (phasescope.telemetry.step.interference).
+        if self._decode_start is None:
+            self._decode_start = totals
+        elif totals is not self._totals:  # replaced only by a mixed step
+            self.interference = totals - self._decode_start
+        self._totals = totals
+
+
 class RequestLifecycle:
-    """One request's transitions and what it has produced so far (no text kept unless captured)."""
+    """One request's transitions and what it has produced so far (no text kept unless captured).
+
+    A request with n samples has n sequences in the engine, each with its own stamps and counts
+    (`samples`); the request's own figures (`stamps`, `cached_prompt_tokens`) are the first sample's,
+    and `completion_tokens` counts every sample's."""
 
     def __init__(self, path: RequestPath, streaming: bool, deadline_passed: Callable[[], bool]) -> None:
         self._path = path
@@ -155,23 +202,43 @@ class RequestLifecycle:
         self.front = FrontendTimestamps(entry=time.monotonic(), wall_at_entry=time.time())
         self.request_id = ""
         self.prompt_tokens = 0
-        self.completion_tokens = 0
-        self.cached_prompt_tokens = 0
-        self.finish_reason: str | None = None
-        self.stamps: EngineTimestamps | None = None
-        self.interference = NO_INTERFERENCE
-        """What other requests' prefill chunks have cost this request's decode so far."""
-        # The engine's running totals at the first token, and at the latest step.
-        self._decode_start: Interference | None = None
-        self._totals = NO_INTERFERENCE
+        self._first = SampleProgress(0)
+        self.samples: list[SampleProgress] = [self._first]
+        # The sample of the step just taken (whose chunk is written next).
+        self._current = self._first
         self._parameters = RequestParameters()
         self._prompt_text = ""
         self._outputs: list[str] = []
         self._handed = False
-        self._first_token_reported = False
+        self._first_tokens_reported = 0
         # When the last chunk is built before any chunk was written, it is the client's first:
         # it is handed over at this reading, confirmed once it is written.
         self._handover = 0.0
+
+    @property
+    def completion_tokens(self) -> int:
+        """Tokens generated so far, every sample's."""
+        if len(self.samples) == 1:
+            return self._first.completion_tokens
+        return sum(sample.completion_tokens for sample in self.samples)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        return self._first.cached_prompt_tokens
+
+    @property
+    def stamps(self) -> EngineTimestamps | None:
+        return self._first.stamps
+
+    @property
+    def interference(self) -> Interference:
+        return self._first.interference
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The sample's, or with n samples the most telling: abort, else length, else stop."""
+        reasons = [sample.finish_reason for sample in self.samples if sample.finish_reason is not None]
+        return min(reasons, key=lambda reason: _FINISH_PRECEDENCE.get(reason, 1)) if reasons else None
 
     async def __aenter__(self) -> RequestLifecycle:
         return self
@@ -197,103 +264,119 @@ class RequestLifecycle:
                 path.in_flight.discard(self)
 
     def handed_to_engine(
-        self, prompt_tokens: int, request_id: str, parameters: RequestParameters, prompt_text: str
+        self, prompt_tokens: int, request_id: str, parameters: RequestParameters, prompt_text: str, samples: int = 1
     ) -> None:
-        """The engine has the request: from here on it is observed as a request, and ends with a record.
-        `prompt_text` is what a record with text capture on carries (empty otherwise)."""
+        """The engine has the request (`samples` sequences of it): from here on it is observed as a
+        request, and ends with a record. `prompt_text` is what a record with text capture on carries
+        (empty otherwise)."""
         self.front = replace(self.front, handed_to_engine=time.monotonic())
         self.prompt_tokens = prompt_tokens
         self.request_id = request_id
         self._parameters = parameters
         self._prompt_text = prompt_text
+        self.samples.extend(SampleProgress(index) for index in range(1, samples))
         self._handed = True
         self._path.observer.request_started(self._path.model_name)
 
     def took(self, step: EngineStep) -> None:
-        """One engine step's output for this request."""
-        before = self.completion_tokens
-        self.completion_tokens = max(before, step.completion_tokens, before + len(step.token_ids))
-        self.cached_prompt_tokens = step.cached_prompt_tokens
+        """One engine step's output for this request (for one of its samples)."""
+        sample = self.samples[step.index] if step.index else self._first
+        self._current = sample
+        before = sample.completion_tokens
+        sample.completion_tokens = max(before, step.completion_tokens, before + len(step.token_ids))
+        sample.cached_prompt_tokens = step.cached_prompt_tokens
         if step.finish_reason is not None:
-            self.finish_reason = step.finish_reason
+            sample.finish_reason = step.finish_reason
         if step.stamps is not None:
-            self.stamps = step.stamps
+            sample.stamps = step.stamps
             if step.stamps.first_token_ts > 0.0:
-                self._read_interference(step.engine_index)
-        if self.completion_tokens > before:
-            self._path.observer.tokens_generated(self._path.model_name, self.completion_tokens - before)
-        if self._path.capture_text:
+                sample.read_interference(self._path.interference(step.engine_index))
+        if sample.completion_tokens > before:
+            self._path.observer.tokens_generated(self._path.model_name, sample.completion_tokens - before)
+        if self._path.capture_text and not step.index:
             self._outputs.append(step.text)
 
-    def _read_interference(self, engine: int) -> None:
-        # The engine's totals advance in the output pass that delivered this step's tokens (its stat
-        # logger runs before this request's consumer resumes): read at the first token and since,
-        # their difference is what this request's decode shared (phasescope.telemetry.step.interference).
-        totals = self._path.interference(engine)
-        if self._decode_start is None:
-            self._decode_start = totals
-        elif totals is not self._totals:  # replaced only by a mixed step
-            self.interference = totals - self._decode_start
-        self._totals = totals
-
-    def final_timings(self) -> PhaseTimings:
-        """The timings the last chunk carries. If no chunk was written before it, it is the client's
+    def final_timings(self, sample: int = 0) -> PhaseTimings:
+        """The timings a sample's last chunk carries. If no chunk was written before it, it is the client's
         first too, handed over now (its client TTFT ends here)."""
         front = self.front
         if not front.first_chunk_written:
             self._handover = time.monotonic()
             front = replace(front, first_chunk_written=self._handover)
-        return derive_phase_timings(front, self.stamps, self.completion_tokens, self.interference)
+        return _sample_timings(front, self.samples[sample])
 
     def chunk_written(self) -> None:
         """The chunk just produced reached the client (grpc.aio resumes a response generator once it
         has written the chunk). A stream's first one ends what its client waited for."""
         if not self.front.first_chunk_written and (self.streaming or self._handover):
             self.front = replace(self.front, first_chunk_written=self._handover or time.monotonic())
-        self._report_first_token()
+        self._report_first_token(self._current)
 
-    def timings(self) -> PhaseTimings:
-        return derive_phase_timings(self.front, self.stamps, self.completion_tokens, self.interference)
+    def timings(self, sample: int = 0) -> PhaseTimings:
+        return _sample_timings(self.front, self.samples[sample])
 
-    def _report_first_token(self) -> None:
-        if self._first_token_reported or self.stamps is None or self.stamps.first_token_ts <= 0.0:
+    def _report_first_token(self, sample: SampleProgress) -> None:
+        if sample.first_token_reported or sample.stamps is None or sample.stamps.first_token_ts <= 0.0:
             return
-        self._first_token_reported = True
+        sample.first_token_reported = True
         path = self._path
         path.observer.request_first_token(
             FirstTokenRecord(
                 model=path.model_name,
-                timings=self.timings(),
-                prefill_tokens_computed=max(0, self.prompt_tokens - self.cached_prompt_tokens),
+                timings=_sample_timings(self.front, sample),
+                prefill_tokens_computed=max(0, self.prompt_tokens - sample.cached_prompt_tokens),
                 streaming=self.streaming,
                 trace_id=path.trace_id(),
+                sample=sample.index,
+                request_first=self._first_tokens_reported == 0,
             )
         )
+        self._first_tokens_reported += 1
 
     def _end(self, error: BaseException | None) -> None:
         self.front = replace(self.front, ended=time.monotonic())
-        # The first token came but its chunk never reached the client (cancelled while it was
+        # A first token came but its chunk never reached the client (cancelled while it was
         # written): its stages are still observed, once, without a client TTFT.
-        self._report_first_token()
+        for sample in self.samples:
+            self._report_first_token(sample)
         code = grpc.StatusCode.OK if error is None else status_for(error)
         if code is grpc.StatusCode.CANCELLED and self._deadline_passed():
             code = grpc.StatusCode.DEADLINE_EXCEEDED
+        unfinished = "abort" if code in _CLIENT_ENDED else "error"
         path = self._path
+        first = self._first
         path.observer.request_finished(
             PhaseRecord(
                 model=path.model_name,
                 code=code.name,
-                finish_reason=self.finish_reason or ("abort" if code in _CLIENT_ENDED else "error"),
+                finish_reason=self.finish_reason or unfinished,
                 prompt_tokens=self.prompt_tokens,
-                cached_prompt_tokens=self.cached_prompt_tokens,
+                cached_prompt_tokens=first.cached_prompt_tokens,
                 completion_tokens=self.completion_tokens,
-                timings=self.timings(),
+                timings=_sample_timings(self.front, first),
                 front=self.front,
-                stamps=self.stamps,
+                stamps=first.stamps,
                 streaming=self.streaming,
                 parameters=self._parameters,
                 error=error,
                 trace_id=path.trace_id(),
                 text=RequestText(self._prompt_text, "".join(self._outputs)) if path.capture_text else None,
+                samples=tuple(
+                    SampleRecord(
+                        index=sample.index,
+                        finish_reason=sample.finish_reason or unfinished,
+                        completion_tokens=sample.completion_tokens,
+                        cached_prompt_tokens=sample.cached_prompt_tokens,
+                        timings=_sample_timings(self.front, sample),
+                        stamps=sample.stamps,
+                    )
+                    for sample in self.samples
+                )
+                if len(self.samples) > 1
+                else (),
             )
         )
+
+
+def _sample_timings(front: FrontendTimestamps, sample: SampleProgress) -> PhaseTimings:
+    return derive_phase_timings(front, sample.stamps, sample.completion_tokens, sample.interference)

@@ -36,6 +36,9 @@ MAX_LOGIT_BIASES = 1024
 MAX_CHOICES = 1024
 # OpenAI's and vLLM's bound on a logit bias.
 MAX_LOGIT_BIAS = 100.0
+MAX_SAMPLES = 128
+"""`n` at most: each sample is a sequence in the engine's batch, so one request cannot ask for more than a
+large batch (vLLM's own bound is 16384)."""
 MAX_REQUEST_ID_CHARS = 256
 
 # Top-level field numbers of the `input` oneof in GenerateRequest and TokenizeRequest.
@@ -249,6 +252,7 @@ class SamplingAsk:
     logprobs: int | None = None
     prompt_logprobs: int | None = None
     bad_words: Sequence[str] = ()
+    n: int | None = None
 
 
 def structured_output(message: Message, kind: str | None, field: str) -> StructuredOutput | None:
@@ -385,6 +389,12 @@ def check_sampling(
     for name, asked in (("logprobs", ask.logprobs), ("prompt_logprobs", ask.prompt_logprobs)):
         if asked is not None and not 0 <= asked <= limits.max_logprobs:
             refuse(name, f"must be in [0, {limits.max_logprobs}] (the engine's max_logprobs), got {asked}")
+    n = 1 if ask.n is None else ask.n
+    if not 1 <= n <= MAX_SAMPLES:
+        refuse("n", f"must be in [1, {MAX_SAMPLES}], got {n}")
+    if n > 1 and temperature == 0:
+        # vLLM's rule: greedy samples would all be the same answer.
+        refuse("n", f"must be 1 when using greedy sampling (temperature 0), got {n}")
 
     return SamplingSpec(
         max_tokens=max_tokens,
@@ -410,6 +420,7 @@ def check_sampling(
         logprobs=ask.logprobs,
         prompt_logprobs=ask.prompt_logprobs,
         bad_words=tuple(ask.bad_words),
+        n=n,
     )
 
 
@@ -455,6 +466,7 @@ def build_sampling(
         logprobs=sampling.logprobs if has("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
         bad_words=sampling.bad_words,
+        n=sampling.n if has("n") else None,
     )
     return check_sampling(
         ask,

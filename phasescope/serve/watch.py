@@ -55,11 +55,19 @@ class InFlight(Protocol):
 
     request_id: str
     prompt_tokens: int
-    cached_prompt_tokens: int
-    completion_tokens: int
     front: FrontendTimestamps
-    stamps: EngineTimestamps | None
-    interference: Interference
+
+    @property
+    def cached_prompt_tokens(self) -> int: ...
+
+    @property
+    def completion_tokens(self) -> int: ...
+
+    @property
+    def stamps(self) -> EngineTimestamps | None: ...
+
+    @property
+    def interference(self) -> Interference: ...
 
 
 class TelemetrySource(Protocol):

@@ -98,9 +98,13 @@ class RecentLatencies(StepSink):
         pass
 
     def request_finished(self, record: PhaseRecord) -> None:
-        if record.timings.decode_seconds is not None and record.completion_tokens > 1:
-            with self._lock:
-                self._decode.add(record.timings.decode_seconds)
+        # Each sample's decode (the only one's for n = 1).
+        for timings, tokens in [(sample.timings, sample.completion_tokens) for sample in record.samples] or [
+            (record.timings, record.completion_tokens)
+        ]:
+            if timings.decode_seconds is not None and tokens > 1:
+                with self._lock:
+                    self._decode.add(timings.decode_seconds)
 
     def request_rejected(self, model: str, reason: str) -> None:
         with self._lock:

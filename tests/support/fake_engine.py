@@ -43,6 +43,8 @@ class Script:
     stop_reason: int | str | None = None
     """What the last step says ended it (a stop token id or string)."""
     cached_prompt_tokens: int = 0
+    sample_cached_prompt_tokens: int = 0
+    """With n > 1: what each sample after the first finds cached (the first's prompt blocks)."""
 
 
 def scripted_logprob(token: int, top: int) -> TokenLogprob:
@@ -125,7 +127,41 @@ class ScriptedEngine:
     ) -> AsyncGenerator[EngineStep, None]:
         if sampling.temperature is not None and sampling.temperature > self._refuse_temperature_above:
             raise InvalidRequestError("sampling.temperature", f"must be at most {self._refuse_temperature_above:g}")
+        if sampling.n > 1:
+            return self._play_samples(request_id, self._script_for(prompt_token_ids), sampling)
         return self._play(request_id, self._script_for(prompt_token_ids), sampling, tuple(prompt_token_ids))
+
+    async def _play_samples(
+        self, request_id: str, script: Script, sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        """n samples stepping together, as the engine batches them: sample i's tokens are the script's
+        + 100 × i; each later sample finds `sample_cached_prompt_tokens` of the prompt cached."""
+        self.started.append(request_id)
+        self.sampling[request_id] = sampling
+        queued = time.monotonic()
+        tokens = script.tokens[: sampling.max_tokens]
+        await asyncio.sleep(script.queue_seconds)
+        scheduled = time.monotonic()
+        first = 0.0
+        for position, token in enumerate(tokens):
+            await asyncio.sleep(script.step_seconds)
+            now = time.monotonic()
+            first = first or now
+            last = position == len(tokens) - 1
+            for index in range(sampling.n):
+                yield EngineStep(
+                    text=f"t{token + 100 * index} ",
+                    token_ids=(token + 100 * index,),
+                    finished=last and index == sampling.n - 1,
+                    finish_reason=script.finish_reason if last else None,
+                    completion_tokens=position + 1,
+                    cached_prompt_tokens=script.cached_prompt_tokens
+                    if index == 0
+                    else script.sample_cached_prompt_tokens,
+                    stamps=EngineTimestamps(queued, scheduled, first, now),
+                    index=index,
+                )
+        self.finished.append(request_id)
 
     async def _play(
         self, request_id: str, script: Script, sampling: SamplingSpec, prompt: tuple[int, ...] = ()

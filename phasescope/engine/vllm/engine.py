@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import copy
 import gc
 import logging
 import math
@@ -108,6 +109,19 @@ def _structured_outputs(structured: StructuredOutput) -> Any:
     return StructuredOutputsParams(structural_tag=structured.value)
 
 
+def _sample_params(params: Any) -> list[Any]:
+    """Each sample's own sampling params, as vLLM's parallel sampling makes its children's: n = 1, and
+    sample i's seed the request's + i (so a seeded request's samples differ, and repeat)."""
+    samples = []
+    for index in range(params.n):
+        sample = copy.copy(params)
+        sample.n = 1
+        if params.seed is not None:
+            sample.seed = params.seed + index
+        samples.append(sample)
+    return samples
+
+
 def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
     """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
     one warning — the cost model never stops the server from starting."""
@@ -142,6 +156,8 @@ class VllmEngine:
         self._closed = False
         # Requests this front end aborted out of band: their "abort" finish is ours, not a dead core's.
         self._aborting: set[str] = set()
+        # The engine requests of each request with n > 1 samples, by the request's id.
+        self._samples: dict[str, list[str]] = {}
 
     @classmethod
     def start(cls, options: EngineOptions, model_path: str, served_model_name: str, steps: StepForwarder) -> VllmEngine:
@@ -280,7 +296,8 @@ class VllmEngine:
         values.update({name: value for name, value in chosen.items() if value is not None})
         try:
             return SamplingParams(
-                n=1,
+                # Validated at n (vLLM's rules for n); the samples run as n requests (`_sample_params`).
+                n=spec.n,
                 max_tokens=spec.max_tokens,
                 stop=list(spec.stop) or None,
                 stop_token_ids=list(spec.stop_token_ids) or None,
@@ -313,7 +330,61 @@ class VllmEngine:
         # What the engine's own refusals name when they name no parameter: a structured output's field
         # (its grammar compiler's message says what is wrong with it).
         unnamed = sampling.structured.field if sampling.structured is not None else "request"
-        return self._steps(request_id, prompt_token_ids, params, unnamed, sampling.logprobs, sampling.prompt_logprobs)
+        prompt = prompt_token_ids
+        if sampling.n == 1:
+            return self._steps(request_id, prompt, params, unnamed, sampling.logprobs, sampling.prompt_logprobs)
+        return self._sampled(request_id, prompt, _sample_params(params), unnamed, sampling)
+
+    async def _sampled(
+        self, request_id: str, prompt_token_ids: list[int], params: list[Any], unnamed: str, sampling: SamplingSpec
+    ) -> AsyncGenerator[EngineStep, None]:
+        """The n samples as n engine requests, their steps interleaved as they come.
+
+        vLLM's own n > 1 fans out the same way (its child requests), but its output collector merges
+        the children's outputs into one whose stats and cached-token count are one child's: each
+        sample's queue, prefill and decode could not be told apart. Run as requests of their own, every
+        sample keeps its stamps; the engine schedules and caches them exactly as it does vLLM's children.
+        """
+        ids = [f"{index}_{request_id}" for index in range(len(params))]
+        self._samples[request_id] = ids
+        steps: asyncio.Queue[EngineStep | BaseException | None] = asyncio.Queue()
+
+        async def pump(index: int) -> None:
+            # Prompt log probabilities once, with the first sample: every sample's are the same.
+            prompt_logprobs = sampling.prompt_logprobs if index == 0 else None
+            sample_steps = self._steps(
+                ids[index], prompt_token_ids, params[index], unnamed, sampling.logprobs, prompt_logprobs
+            )
+            try:
+                async with aclosing(sample_steps) as sample:
+                    async for step in sample:
+                        step.index = index
+                        steps.put_nowait(step)
+            except Exception as exc:  # the request fails with the first sample that fails
+                steps.put_nowait(exc)
+            finally:
+                steps.put_nowait(None)
+
+        pumps = [asyncio.create_task(pump(index)) for index in range(len(params))]
+        try:
+            running, unfinished = len(pumps), len(pumps)
+            while running:
+                item = await steps.get()
+                if item is None:
+                    running -= 1
+                    continue
+                if isinstance(item, BaseException):
+                    raise item
+                if item.finish_reason is not None:
+                    unfinished -= 1
+                item.finished = unfinished == 0
+                yield item
+        finally:
+            # Closing a sample's steps aborts its engine request (a client gone, or a sample failed).
+            for task in pumps:
+                task.cancel()
+            await asyncio.gather(*pumps, return_exceptions=True)
+            del self._samples[request_id]
 
     async def _steps(
         self,
@@ -391,9 +462,10 @@ class VllmEngine:
         return int.from_bytes(identity, "little") if isinstance(identity, bytes) else 0
 
     async def abort(self, request_id: str) -> None:
-        self._aborting.add(request_id)
-        # vLLM ends the request's output stream with a final "abort" output.
-        await self._llm.abort(request_id)
+        ids = self._samples.get(request_id, [request_id])
+        self._aborting.update(ids)
+        # vLLM ends each request's output stream with a final "abort" output.
+        await self._llm.abort(ids)
 
     async def reset_prefix_cache(self) -> bool:
         return bool(await self._llm.reset_prefix_cache())

@@ -75,8 +75,6 @@ def parse_generate(request: pb.GenerateRequest, limits: ModelLimits, data_parall
 def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits) -> SamplingSpec:
     """The sampling message validated against the prompt and the model, in this protocol's field names."""
     prefix = "sampling_params."
-    if sampling.n > 1:
-        raise InvalidRequestError(f"{prefix}n", f"one sample per request is offered by this worker, got {sampling.n}")
     ask = SamplingAsk(
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
@@ -99,6 +97,8 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         structured=structured_output(sampling, sampling.WhichOneof("constraint"), prefix),
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
+        # 0 is "not set", as vLLM's servicer reads it (n > 0 else 1).
+        n=sampling.n or None,
     )
     # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
     return check_sampling(ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop))

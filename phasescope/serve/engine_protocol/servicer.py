@@ -98,11 +98,12 @@ class VllmEngineServicer:
                     max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p
                 )
                 text = asked.parsed.prompt if path.capture_text else ""
-                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text)
+                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text, sampling.n)
                 with self._abortable(asked.request_id, engine_request_id):
                     # One generator between the engine and gRPC (a second layer costs every message).
-                    output_ids: list[int] = []
-                    logprobs: list[TokenLogprob] = []
+                    # A unary call's samples: each one's ids and log probabilities, and its last step.
+                    outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
+                    ends: dict[int, EngineStep] = {}
                     prompt_logprobs: list[TokenLogprob] = []
                     async with aclosing(steps):
                         async for step in steps:
@@ -110,20 +111,26 @@ class VllmEngineServicer:
                             if streaming:
                                 yield _chunk(step, lifecycle.prompt_tokens, prompt[0])
                                 lifecycle.chunk_written()
-                            else:
-                                output_ids.extend(step.token_ids)
-                                logprobs.extend(step.logprobs)
-                                prompt_logprobs.extend(step.prompt_logprobs)
+                                if step.finish_reason is not None or step.finished:
+                                    # A sample's complete carries its last step's delta, as vLLM's servicer sends it.
+                                    yield self._last(step, list(step.token_ids), step.logprobs, lifecycle, context)
+                                    lifecycle.chunk_written()
+                                continue
+                            output_ids, logprobs = outputs.setdefault(step.index, ([], []))
+                            output_ids.extend(step.token_ids)
+                            logprobs.extend(step.logprobs)
+                            prompt_logprobs.extend(step.prompt_logprobs)
+                            if step.finish_reason is not None or step.finished:
+                                ends[step.index] = step
                             if step.finished:
-                                # A stream's complete carries the last step's delta, as vLLM's servicer sends it.
-                                ids, probabilities = (
-                                    (list(step.token_ids), step.logprobs) if streaming else (output_ids, logprobs)
-                                )
-                                last = self._last(step, ids, probabilities, lifecycle, context)
-                                if prompt_logprobs:
-                                    _fill_input_logprobs(last.complete.input_logprobs, prompt[0], prompt_logprobs)
-                                yield last
-                                lifecycle.chunk_written()
+                                # One complete per sample, in order, with every id (vLLM's unary answer).
+                                for index in sorted(ends):
+                                    output_ids, logprobs = outputs.get(index, ([], []))
+                                    last = self._last(ends[index], output_ids, logprobs, lifecycle, context)
+                                    if prompt_logprobs and index == 0:
+                                        _fill_input_logprobs(last.complete.input_logprobs, prompt[0], prompt_logprobs)
+                                    yield last
+                                    lifecycle.chunk_written()
 
     @staticmethod
     def _last(
@@ -133,9 +140,11 @@ class VllmEngineServicer:
         lifecycle: RequestLifecycle,
         context: ServicerContext,
     ) -> pb.GenerateResponse:
-        """The stream's `GenerateComplete`, its request's timings set in the trailing metadata first."""
-        timings = timings_message(lifecycle.final_timings())
-        context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
+        """A sample's `GenerateComplete`; on the request's last, its timings (the first sample's) are set
+        in the trailing metadata first."""
+        if step.finished:
+            timings = timings_message(lifecycle.final_timings())
+            context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
         response = pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
         if logprobs:
             _fill_logprobs(response.complete.output_logprobs, logprobs)
@@ -239,6 +248,8 @@ def _chunk(step: EngineStep, prompt_tokens: int, first_prompt_token: int) -> pb.
     chunk.prompt_tokens = prompt_tokens
     chunk.completion_tokens = len(step.token_ids)
     chunk.cached_tokens = step.cached_prompt_tokens
+    if step.index:
+        chunk.index = step.index
     if step.logprobs:
         _fill_logprobs(chunk.output_logprobs, step.logprobs)
     if step.prompt_logprobs:
@@ -280,6 +291,7 @@ def _complete(step: EngineStep, output_ids: list[int], lifecycle: RequestLifecyc
         prompt_tokens=lifecycle.prompt_tokens,
         completion_tokens=len(output_ids),
         cached_tokens=step.cached_prompt_tokens,
+        index=step.index,
     )
     if isinstance(step.stop_reason, int):
         complete.matched_token_id = step.stop_reason

@@ -212,6 +212,27 @@ class FirstTokenRecord:
     """Prompt tokens the engine ran through prefill (prefix-cache hits excluded)."""
     streaming: bool
     trace_id: str | None = None
+    sample: int = 0
+    """The sample whose first token this is (a request with n samples has n first tokens)."""
+    request_first: bool = True
+    """The request's first first-token record: the stages its samples share (frontend, intake) and the
+    client's time to first token are observed with this one only."""
+
+
+@dataclass(frozen=True, slots=True)
+class SampleRecord:
+    """One sample of a request with n > 1 samples, as it ended: its own sequence's figures."""
+
+    index: int
+    finish_reason: str
+    completion_tokens: int
+    cached_prompt_tokens: int
+    timings: PhaseTimings
+    stamps: EngineTimestamps | None
+
+    @property
+    def produced_first_token(self) -> bool:
+        return self.stamps is not None and self.stamps.first_token_ts > 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -223,15 +244,18 @@ class PhaseRecord:
     code: str
     """gRPC status code name the request ended with, e.g. "OK", "CANCELLED"."""
     finish_reason: str
-    """"stop", "length", "abort", or "error" when the engine never finished it."""
+    """"stop", "length", "abort", or "error" when the engine never finished it. With n samples: "abort"
+    if one was aborted, else "length" if one ran out of tokens, else "stop"."""
     prompt_tokens: int
     cached_prompt_tokens: int
-    """Prompt tokens served from the prefix cache instead of being computed."""
+    """Prompt tokens served from the prefix cache instead of being computed (the first sample's)."""
     completion_tokens: int
+    """Every sample's."""
     timings: PhaseTimings
+    """The first sample's stages (the only sample's, for n = 1)."""
     front: FrontendTimestamps
     stamps: EngineTimestamps | None = None
-    """The engine's raw timestamps, for observers that place phases in time (tracing)."""
+    """The engine's raw timestamps (the first sample's), for observers that place phases in time (tracing)."""
     streaming: bool = True
     parameters: RequestParameters = RequestParameters()
     error: BaseException | None = None
@@ -239,6 +263,9 @@ class PhaseRecord:
     trace_id: str | None = None
     """Hex trace id of the request's trace when it is sampled, for exemplars."""
     text: RequestText | None = None
+    samples: tuple[SampleRecord, ...] = ()
+    """With n > 1 samples: every sample (index 0 to n − 1), each its own sequence in the engine; the
+    record's own timings, stamps and cached tokens are sample 0's. Empty for n = 1."""
 
     @property
     def produced_first_token(self) -> bool:

@@ -14,7 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
-from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
+from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import STAGES
 
 # Request-level latency: a millisecond (the frontend stage, a queue hop) to two hours
@@ -29,6 +29,10 @@ REQUEST_SECONDS_BUCKETS = (
 _AT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.at_first_token)
 _AT_END = tuple(stage for stage in STAGES if not stage.at_first_token and not stage.only_without_first_token)
 _WITHOUT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.without_first_token)
+# The stages a request's samples share (frontend, intake) are observed once per request.
+_SHARED = frozenset({"frontend", "intake"})
+_SAMPLE_AT_FIRST_TOKEN = tuple(stage for stage in _AT_FIRST_TOKEN if stage.name not in _SHARED)
+_SAMPLE_WITHOUT_FIRST_TOKEN = tuple(stage for stage in _WITHOUT_FIRST_TOKEN if stage.name not in _SHARED)
 _PHASE_HELP = (
     "Time a request spent in each stage, on one monotonic clock: "
     + "; ".join(
@@ -151,13 +155,15 @@ class PrometheusRequestObserver:
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         self._child(self.tokens, model, "prefill").inc(record.prefill_tokens_computed)
-        for stage in _AT_FIRST_TOKEN:
+        # A request's samples share its frontend and intake stages (observed once); queue, prefill and
+        # the first token are each sample's own sequence's, as vLLM's series observe each.
+        for stage in _AT_FIRST_TOKEN if record.request_first else _SAMPLE_AT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
                 self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
             self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
-        if record.streaming and timings.client_time_to_first_token_seconds is not None:
+        if record.request_first and record.streaming and timings.client_time_to_first_token_seconds is not None:
             self._child(self.client_time_to_first_token_seconds, model).observe(
                 timings.client_time_to_first_token_seconds, exemplar
             )
@@ -173,13 +179,24 @@ class PrometheusRequestObserver:
         model = record.model
         self._child(self.requests_in_flight, model).dec()
         self._child(self.requests, model, record.code, record.finish_reason).inc()
-        timings = record.timings
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        answered = record.produced_first_token
+        answered = record.produced_first_token or any(sample.produced_first_token for sample in record.samples)
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
             self._child(self.without_first_token, model, record.code).inc()
-        for stage in _AT_END if answered else _WITHOUT_FIRST_TOKEN:
+        # The shared stages were observed with the first token, if one came.
+        self._observe_sequence(model, record.timings, record.produced_first_token, exemplar, shared=not answered)
+        # With n samples, each later one's own sequence too (its decode, duration, interference).
+        for sample in record.samples[1:]:
+            self._observe_sequence(model, sample.timings, sample.produced_first_token, exemplar, shared=False)
+
+    def _observe_sequence(
+        self, model: str, timings: PhaseTimings, answered: bool, exemplar: dict[str, str] | None, *, shared: bool
+    ) -> None:
+        """One sequence's stages at its end; `shared`: the request's first, which also observes the stages
+        its samples share (a request without a first token observes its frontend stage here)."""
+        stages = _AT_END if answered else (_WITHOUT_FIRST_TOKEN if shared else _SAMPLE_WITHOUT_FIRST_TOKEN)
+        for stage in stages:
             seconds = timings.seconds(stage)
             if seconds is not None:
                 self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)

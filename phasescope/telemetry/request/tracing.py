@@ -136,10 +136,14 @@ class TracingObserver:
             "gen_ai.response.model": record.model,
             "gen_ai.usage.input_tokens": record.prompt_tokens,
             "gen_ai.usage.output_tokens": record.completion_tokens,
-            "gen_ai.response.finish_reasons": [record.finish_reason],
+            # Each sample's, in order (vLLM's OpenAI server reports a request's n choices so).
+            "gen_ai.response.finish_reasons": [sample.finish_reason for sample in record.samples]
+            or [record.finish_reason],
             "phasescope.status_code": record.code,
             "phasescope.cached_prompt_tokens": record.cached_prompt_tokens,
         }
+        if record.samples:
+            attributes["gen_ai.request.choice.count"] = len(record.samples)
         if parameters.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = parameters.max_tokens
         if parameters.temperature is not None:

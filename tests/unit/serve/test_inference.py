@@ -130,6 +130,73 @@ def test_usage_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
     assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (3, 2, 2)
 
 
+def test_n_samples_stream_indexed_each_with_its_finish_and_timings_and_usage_counts_them_all() -> None:
+    script = Script(tokens=[5, 6], finish_reason="stop", cached_prompt_tokens=0, sample_cached_prompt_tokens=2)
+
+    async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse, Served]:
+        async with serve(ScriptedEngine(lambda prompt: script)) as s:
+            request = build_request(prompt="a bb ccc", max_tokens=8, n=3, seed=4)
+            chunks = [chunk async for chunk in s.client.generate_stream(request)]
+            unary = await s.client.generate(request)
+            await eventually(lambda: s.value("phasescope_requests_in_flight") == 0)
+            return chunks, unary, s
+
+    chunks, unary, s = run(scenario)
+    assert [(chunk.index, list(chunk.token_ids)) for chunk in chunks] == [
+        (0, [5]),
+        (1, [105]),
+        (2, [205]),
+        (0, [6]),
+        (1, [106]),
+        (2, [206]),
+    ]
+    # Each sample's last chunk has its finish and its own timings; usage (every sample's) comes last.
+    assert [chunk.index for chunk in chunks if chunk.HasField("timings")] == [0, 1, 2]
+    assert all(chunk.finish_reason == pb.FINISH_REASON_STOP for chunk in chunks[3:])
+    assert [chunk.HasField("usage") for chunk in chunks] == [False] * 5 + [True]
+    assert (chunks[-1].usage.prompt_tokens, chunks[-1].usage.completion_tokens) == (3, 6)
+    assert chunks[-1].timings.decode_seconds > 0
+    # Unary: the first sample in the response's own fields, the others in order.
+    assert (unary.text, list(unary.token_ids), unary.finish_reason) == ("t5 t6 ", [5, 6], pb.FINISH_REASON_STOP)
+    assert [(sample.index, sample.text, list(sample.token_ids)) for sample in unary.samples] == [
+        (1, "t105 t106 ", [105, 106]),
+        (2, "t205 t206 ", [205, 206]),
+    ]
+    assert all(sample.timings.decode_seconds > 0 for sample in unary.samples)
+    assert unary.usage.completion_tokens == 6
+    # Two requests: each counted once, its shared stages once, and each sample's sequence on its own —
+    # prefill computed for the first sample's whole prompt and the rest of each later one's.
+    assert s.value("phasescope_requests_total", code="OK", finish_reason="stop") == 2
+    assert s.value("phasescope_request_phase_seconds_count", phase="frontend") == 2
+    assert s.value("phasescope_client_time_to_first_token_seconds_count") == 1  # the stream's
+    for phase in ("queue", "prefill", "decode"):
+        assert s.value("phasescope_request_phase_seconds_count", phase=phase) == 6, phase
+    assert s.value("phasescope_time_to_first_token_seconds_count") == 6
+    assert s.value("phasescope_request_duration_seconds_count") == 6
+    assert s.value("phasescope_tokens_total", phase="prefill") == 2 * (3 + 1 + 1)
+    assert s.value("phasescope_tokens_total", phase="decode") == 12
+    sampled = s.engine.sampling[s.engine.started[0]]
+    assert (sampled.n, sampled.seed) == (3, 4)
+
+
+@pytest.mark.parametrize(
+    ("sampling", "reason"),
+    [({"n": 2, "temperature": 0.0}, "greedy"), ({"n": 0}, "[1, 128]"), ({"n": 129}, "[1, 128]")],
+)
+def test_n_the_engine_cannot_sample_is_refused_naming_it(sampling: dict[str, float], reason: str) -> None:
+    async def scenario() -> grpc.aio.AioRpcError:
+        async with serve(ScriptedEngine()) as s:
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.client.generate(build_request(prompt="hi", max_tokens=2, **sampling))
+            assert not s.engine.started
+            return caught.value
+
+    error = run(scenario)
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (error.details() or "").startswith("sampling.n: ")
+    assert reason in (error.details() or "")
+
+
 def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
         async with serve(ScriptedEngine()) as s:

@@ -163,6 +163,34 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
 
 
 @run
+async def test_n_samples_stream_indexed_chunks_and_a_complete_per_sample_as_vllms_servicer_does() -> None:
+    engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12], finish_reason="stop"))
+    async with serve(engine) as s:
+        call = s.stub.Generate(generate(max_tokens=8, n=2, temperature=0.8))
+        streamed = [response async for response in call]
+        trailing = dict(await call.trailing_metadata())
+        unary = [response async for response in s.stub.Generate(generate(max_tokens=8, n=2, stream=False))]
+        await eventually(lambda: s.value("phasescope_requests_in_flight") == 0)
+    assert [(r.chunk.index, list(r.chunk.token_ids)) for r in streamed if r.HasField("chunk")] == [
+        (0, [11]),
+        (1, [111]),
+        (0, [12]),
+        (1, [112]),
+    ]
+    # Each sample's complete follows its last chunk, with its index and its last step's ids.
+    completes = [(r.complete.index, list(r.complete.output_ids)) for r in streamed if r.HasField("complete")]
+    assert completes == [(0, [12]), (1, [112])]
+    assert v1.Timings.FromString(trailing[TIMINGS_METADATA_KEY]).decode_seconds > 0
+    # Unary: one complete per sample, in order, each with every id.
+    assert [(r.complete.index, list(r.complete.output_ids), r.complete.finish_reason) for r in unary] == [
+        (0, [11, 12], "stop"),
+        (1, [111, 112], "stop"),
+    ]
+    assert s.value("phasescope_requests_total", code="OK", finish_reason="stop") == 2
+    assert s.value("phasescope_tokens_total", phase="decode") == 8
+
+
+@run
 async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> None:
     engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13]))
     async with serve(engine) as s:
@@ -238,7 +266,8 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
         (pb.GenerateRequest(request_id="r"), "input"),
         (generate(ids=()), "tokenized.input_ids"),
         (generate(ids=(1, 10**6)), "tokenized.input_ids[1]"),
-        (generate(n=2), "sampling_params.n"),
+        (generate(n=2, temperature=0.0), "sampling_params.n"),
+        (generate(n=129), "sampling_params.n"),
         (generate(logprobs=21), "sampling_params.logprobs"),
         (generate(json_schema='{"type": '), "sampling_params.json_schema"),
         (generate(choice=pb.ChoiceConstraint(choices=[])), "sampling_params.choice.choices"),
