@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import pytest
@@ -183,7 +183,7 @@ def test_n_samples_stream_indexed_each_with_its_finish_and_timings_and_usage_cou
     ("sampling", "reason"),
     [({"n": 2, "temperature": 0.0}, "greedy"), ({"n": 0}, "[1, 128]"), ({"n": 129}, "[1, 128]")],
 )
-def test_n_the_engine_cannot_sample_is_refused_naming_it(sampling: dict[str, float], reason: str) -> None:
+def test_n_the_engine_cannot_sample_is_refused_naming_it(sampling: dict[str, Any], reason: str) -> None:
     async def scenario() -> grpc.aio.AioRpcError:
         async with serve(ScriptedEngine()) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
