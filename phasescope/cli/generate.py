@@ -27,6 +27,12 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--min-tokens", type=int, help="no end of sequence or stop before this many tokens")
     parser.add_argument(
+        "--n",
+        type=int,
+        metavar="N",
+        help="draw N samples for the prompt (needs sampling: a temperature above 0); each is printed when it ends",
+    )
+    parser.add_argument(
         "--logprobs",
         type=int,
         metavar="N",
@@ -80,7 +86,7 @@ def sampling_from_args(args: argparse.Namespace) -> dict[str, Any]:
     from phasescope.v1 import inference_pb2 as pb
 
     sampling: dict[str, Any] = {"max_tokens": args.max_tokens, "ignore_eos": args.ignore_eos}
-    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs"):
+    for name in ("temperature", "top_p", "top_k", "seed", "min_tokens", "logprobs", "n"):
         if getattr(args, name) is not None:
             sampling[name] = getattr(args, name)
     if args.json_schema is not None:
@@ -105,7 +111,6 @@ def cmd(args: argparse.Namespace) -> int:
     import grpc
 
     from phasescope.client.client import Client, build_request, new_traceparent
-    from phasescope.v1 import inference_pb2 as pb
 
     try:
         sampling = sampling_from_args(args)
@@ -114,30 +119,60 @@ def cmd(args: argparse.Namespace) -> int:
         return 2
     text: dict[str, Any] = {"chat": [("user", args.text)]} if args.chat else {"prompt": args.text}
     request = build_request(**text, token_ids_only=args.token_ids_only, **sampling)
+    samples = (args.n or 1) > 1
     try:
         with Client(args.address, timeout_seconds=args.timeout, credentials=credentials(args)) as client:
             last: pb.GenerateStreamResponse | None = None
             logprobs: list[pb.TokenLogprob] = []
+            # With --n: each sample's chunks, printed together once the sample ends (they interleave).
+            pending: dict[int, list[pb.GenerateStreamResponse]] = {}
             traceparent, trace_id = new_traceparent()
             for chunk in client.generate_stream(request, traceparent=traceparent):
+                last = chunk
+                if samples:
+                    pending.setdefault(chunk.index, []).append(chunk)
+                    if chunk.HasField("timings"):
+                        print_sample(chunk.index, pending.pop(chunk.index), args.token_ids_only)
+                    continue
                 logprobs.extend(chunk.logprobs)
                 if args.token_ids_only:
                     print(" ".join(map(str, chunk.token_ids)), end=" " if chunk.token_ids else "", flush=True)
                 else:
                     print(chunk.text, end="", flush=True)
-                last = chunk
     except grpc.RpcError as exc:
         print(f"\nphasescope generate: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
-    print()
+    if not samples:
+        print()
     for entry in logprobs:
         print(format_logprob(entry), file=sys.stderr)
     if last is not None:
-        reason = pb.FinishReason.Name(last.finish_reason).removeprefix("FINISH_REASON_").lower()
-        print(
-            f"[{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} output tokens, finished: {reason}]",
-            file=sys.stderr,
-        )
-        print(f"[{format_timings(last.timings)}]", file=sys.stderr)
+        usage = f"{last.usage.prompt_tokens} prompt + {last.usage.completion_tokens} output tokens"
+        if samples:
+            print(f"[{usage}, {args.n} samples]", file=sys.stderr)
+        else:
+            print(f"[{usage}, finished: {_reason(last)}]", file=sys.stderr)
+            print(f"[{format_timings(last.timings)}]", file=sys.stderr)
         print(f"[trace id {trace_id}]", file=sys.stderr)
     return 0
+
+
+def _reason(chunk: pb.GenerateStreamResponse) -> str:
+    from phasescope.v1 import inference_pb2 as pb
+
+    return pb.FinishReason.Name(chunk.finish_reason).removeprefix("FINISH_REASON_").lower()
+
+
+def print_sample(index: int, chunks: list[pb.GenerateStreamResponse], token_ids_only: bool) -> None:
+    """One ended sample: its answer, then (on stderr) its log probabilities, finish and its own timings."""
+    if token_ids_only:
+        answer = " ".join(str(token) for chunk in chunks for token in chunk.token_ids)
+    else:
+        answer = "".join(chunk.text for chunk in chunks)
+    print(f"--- sample {index} ---\n{answer}", flush=True)
+    for chunk in chunks:
+        for entry in chunk.logprobs:
+            print(format_logprob(entry), file=sys.stderr)
+    last = chunks[-1]
+    print(f"[sample {index} finished: {_reason(last)}]", file=sys.stderr)
+    print(f"[{format_timings(last.timings)}]", file=sys.stderr)

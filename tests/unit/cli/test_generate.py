@@ -7,7 +7,14 @@ from pathlib import Path
 
 import pytest
 
-from phasescope.cli.generate import UsageError, add_cli_args, format_logprob, format_timings, sampling_from_args
+from phasescope.cli.generate import (
+    UsageError,
+    add_cli_args,
+    format_logprob,
+    format_timings,
+    print_sample,
+    sampling_from_args,
+)
 from phasescope.v1 import inference_pb2 as pb
 
 
@@ -69,3 +76,19 @@ def test_logprobs_are_asked_for_and_printed_one_token_a_line() -> None:
     assert "logprobs" not in sampling_from_args(parse())
     entry = pb.TokenLogprob(token_id=42, logprob=-0.5, top=[pb.TopLogprob(token_id=42, logprob=-0.5)])
     assert format_logprob(entry) == "     42  -0.5000 | 42 -0.5000"
+
+
+def test_each_of_n_samples_prints_as_it_ends_with_its_own_finish_and_timings(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert sampling_from_args(parse("--n", "3", "--temperature", "0.8"))["n"] == 3
+    timings = pb.Timings(decode_seconds=0.5, time_to_first_token_seconds=0.1)
+    chunks = [
+        pb.GenerateStreamResponse(index=2, text="Once "),
+        pb.GenerateStreamResponse(index=2, text="upon", finish_reason=pb.FINISH_REASON_LENGTH, timings=timings),
+    ]
+    print_sample(2, chunks, token_ids_only=False)
+    out, err = capsys.readouterr()
+    assert out == "--- sample 2 ---\nOnce upon\n"
+    assert "[sample 2 finished: length]" in err
+    assert "TTFT 100.0 ms" in err
