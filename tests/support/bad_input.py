@@ -68,6 +68,9 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
     "huge stop-token list": (build_request(prompt="hi", stop_token_ids=list(range(5000))), "sampling.stop_token_ids"),
     "min_tokens above max_tokens": (build_request(prompt="hi", max_tokens=4, min_tokens=8), "sampling.min_tokens"),
     "log probabilities beyond the engine's maximum": (build_request(prompt="hi", logprobs=21), "sampling.logprobs"),
+    "n samples with greedy sampling": (build_request(prompt="hi", n=2, temperature=0.0), "sampling.n"),
+    "n of 0": (build_request(prompt="hi", n=0), "sampling.n"),
+    "n above the bound": (build_request(prompt="hi", n=129, temperature=1.0), "sampling.n"),
     "prompt log probabilities beyond the engine's maximum": (
         build_request(prompt="hi", prompt_logprobs=21),
         "sampling.prompt_logprobs",
@@ -129,8 +132,9 @@ BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
     "top_p above 1": (_engine_request(top_p=1.5), "sampling_params.top_p"),
     "NaN temperature": (_engine_request(temperature=math.nan), "sampling_params.temperature"),
     "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
-    "n above 1": (_engine_request(n=2), "sampling_params.n"),
     "log probabilities beyond the engine's maximum": (_engine_request(logprobs=21), "sampling_params.logprobs"),
+    "n samples with greedy sampling": (_engine_request(n=2, temperature=0.0), "sampling_params.n"),
+    "n above the bound": (_engine_request(n=129, temperature=1.0), "sampling_params.n"),
     "prompt log probabilities beyond the engine's maximum": (
         _engine_request(prompt_logprobs=21),
         "sampling_params.prompt_logprobs",
