@@ -168,9 +168,11 @@ class InferenceServicer:
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
+            constraint=sampling.structured.kind if sampling.structured is not None else "",
+            samples=sampling.n,
         )
         prompt_text = _prompt_text(parsed) if self._path.capture_text else ""
-        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text, sampling.n)
+        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text)
         return steps, request_id
 
     async def GenerateStream(

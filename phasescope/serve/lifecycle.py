@@ -264,17 +264,17 @@ class RequestLifecycle:
                 path.in_flight.discard(self)
 
     def handed_to_engine(
-        self, prompt_tokens: int, request_id: str, parameters: RequestParameters, prompt_text: str, samples: int = 1
+        self, prompt_tokens: int, request_id: str, parameters: RequestParameters, prompt_text: str
     ) -> None:
-        """The engine has the request (`samples` sequences of it): from here on it is observed as a
-        request, and ends with a record. `prompt_text` is what a record with text capture on carries
+        """The engine has the request (`parameters.samples` sequences of it): from here on it is observed
+        as a request, and ends with a record. `prompt_text` is what a record with text capture on carries
         (empty otherwise)."""
         self.front = replace(self.front, handed_to_engine=time.monotonic())
         self.prompt_tokens = prompt_tokens
         self.request_id = request_id
         self._parameters = parameters
         self._prompt_text = prompt_text
-        self.samples.extend(SampleProgress(index) for index in range(1, samples))
+        self.samples.extend(SampleProgress(index) for index in range(1, parameters.samples))
         self._handed = True
         self._path.observer.request_started(self._path.model_name)
 
@@ -329,6 +329,7 @@ class RequestLifecycle:
                 trace_id=path.trace_id(),
                 sample=sample.index,
                 request_first=self._first_tokens_reported == 0,
+                constraint=self._parameters.constraint,
             )
         )
         self._first_tokens_reported += 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -263,3 +264,35 @@ def test_n_samples_over_the_engine_protocol_stream_a_complete_per_index(engine_s
         if r.HasField("chunk"):
             per_index[r.chunk.index] = per_index.get(r.chunk.index, 0) + len(r.chunk.token_ids)
     assert per_index == {0: 4, 1: 4, 2: 4}
+
+
+def test_a_new_schema_waits_in_the_queue_for_its_grammar_and_the_same_schema_again_does_not(
+    server: ServerProcess, client: Client
+) -> None:
+    # A schema no earlier request used (its property names are this run's): the engine compiles it.
+    # Twenty nested objects with patterns and enums take the compiler tens of milliseconds here.
+    item = {
+        "type": "object",
+        "properties": {
+            "a": {"type": "string", "pattern": "^[a-z]{2,8}$"},
+            "b": {"type": "array", "items": {"type": "integer", "minimum": 0}},
+            "c": {"enum": ["x", "y", "z"]},
+        },
+        "required": ["a", "b", "c"],
+    }
+    names = [f"f{uuid.uuid4().hex[:8]}_{index}" for index in range(20)]
+    schema = json.dumps({"type": "object", "properties": dict.fromkeys(names, item), "required": names})
+    request = build_request(prompt="{", max_tokens=4, structured=pb.StructuredOutput(json_schema=schema))
+    series = "phasescope_structured_output_queue_seconds"
+    waits = []
+    for _ in range(2):
+        server.wait_engine_idle()
+        before = server.samples()
+        client.generate(request)
+        after = server.samples()
+        assert delta(after, before, f"{series}_count", constraint="json_schema") == 1
+        waits.append(delta(after, before, f"{series}_sum", constraint="json_schema"))
+    first, again = waits
+    # The compiled grammar is cached: the second request waits for nothing but the engine's next step.
+    assert first > again + 0.005, waits
+    assert again < 0.05, waits

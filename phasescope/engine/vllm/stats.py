@@ -73,6 +73,9 @@ class PhasescopeStatLogger(StatLoggerBase):
             scheduler_stats.num_running_reqs,
             scheduler_stats.num_waiting_reqs,
             scheduler_stats.kv_cache_usage,
+            # Waiting requests the scheduler skips while blocked: on this worker (no KV transfer), those
+            # whose structured output's grammar is still compiling.
+            scheduler_stats.num_skipped_waiting_reqs,
         )
         details = scheduler_stats.iteration_details
         if details is None or details.is_dummy:

@@ -95,10 +95,14 @@ class VllmEngineServicer:
                 engine_request_id = uuid.uuid4().hex
                 steps = engine.generate(engine_request_id, prompt, sampling)
                 parameters = RequestParameters(
-                    max_tokens=sampling.max_tokens, temperature=sampling.temperature, top_p=sampling.top_p
+                    max_tokens=sampling.max_tokens,
+                    temperature=sampling.temperature,
+                    top_p=sampling.top_p,
+                    constraint=sampling.structured.kind if sampling.structured is not None else "",
+                    samples=sampling.n,
                 )
                 text = asked.parsed.prompt if path.capture_text else ""
-                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text, sampling.n)
+                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text)
                 with self._abortable(asked.request_id, engine_request_id):
                     # One generator between the engine and gRPC (a second layer costs every message).
                     # A unary call's samples: each one's ids and log probabilities, and its last step.

@@ -191,6 +191,9 @@ class RequestParameters:
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
+    constraint: str = ""
+    """The kind of its structured output (json_schema, regex, ...), or empty for none."""
+    samples: int = 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,6 +220,8 @@ class FirstTokenRecord:
     request_first: bool = True
     """The request's first first-token record: the stages its samples share (frontend, intake) and the
     client's time to first token are observed with this one only."""
+    constraint: str = ""
+    """The kind of the request's structured output (`StructuredKind`), or empty for none."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -69,6 +69,15 @@ class PrometheusRequestObserver:
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
+        self.structured_queue_seconds = Histogram(
+            "phasescope_structured_output_queue_seconds",
+            "The queue stage (scheduled - queued) of requests with a structured output, by its kind, observed "
+            "at the first token: vLLM holds such a request until its grammar is compiled, so beside the queue "
+            "of all requests this is the wait on grammar compilation (a schema compiled before is cached).",
+            ["model", "constraint"],
+            buckets=REQUEST_SECONDS_BUCKETS,
+            registry=registry,
+        )
         self.client_time_to_first_token_seconds = Histogram(
             "phasescope_client_time_to_first_token_seconds",
             "First chunk written to the client - handler entry, per streaming request.",
@@ -163,6 +172,10 @@ class PrometheusRequestObserver:
                 self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
             self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
+        if record.constraint and timings.queue_seconds is not None:
+            self._child(self.structured_queue_seconds, model, record.constraint).observe(
+                timings.queue_seconds, exemplar
+            )
         if record.request_first and record.streaming and timings.client_time_to_first_token_seconds is not None:
             self._child(self.client_time_to_first_token_seconds, model).observe(
                 timings.client_time_to_first_token_seconds, exemplar

@@ -144,6 +144,8 @@ class TracingObserver:
         }
         if record.samples:
             attributes["gen_ai.request.choice.count"] = len(record.samples)
+        if parameters.constraint:
+            attributes["phasescope.structured_output"] = parameters.constraint
         if parameters.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = parameters.max_tokens
         if parameters.temperature is not None:

@@ -64,7 +64,7 @@ class StepSink:
     def iteration(self, iteration: EngineIteration) -> None:
         """One output batch's inter-token gaps and preemptions."""
 
-    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
         """The engine's scheduler state at a stats update."""
 
 
@@ -123,10 +123,10 @@ class StepAggregator:
         for sink in self._sinks:
             sink.iteration(iteration)
 
-    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
         self.window.add_queue(engine, running, waiting, kv_cache_usage)
         for sink in self._sinks:
-            sink.queue(engine, running, waiting, kv_cache_usage)
+            sink.queue(engine, running, waiting, kv_cache_usage, deferred)
 
     def read_interference(self, engine: int) -> Interference:
         """The engine's running interference totals, for a request to difference over its decode."""

@@ -123,7 +123,8 @@ class StepMetrics(StepSink, Collector):
         )
         self.engine_requests = Gauge(
             "phasescope_engine_requests",
-            "Requests in the engine's scheduler: running (in the batch) or waiting (queued for a slot).",
+            "Requests in the engine's scheduler: running (in the batch), waiting (queued for a slot) or deferred "
+            "(queued but held back until their structured output's grammar is compiled).",
             ["model", "engine", "state"],
             registry=registry,
         )
@@ -134,7 +135,7 @@ class StepMetrics(StepSink, Collector):
             registry=registry,
         )
         for engine in range(engines):
-            for state in ("running", "waiting"):
+            for state in ("running", "waiting", "deferred"):
                 self.engine_requests.labels(model, str(engine), state).set(0)
             self.kv_cache_usage.labels(model, str(engine)).set(0)
             self.preemptions.labels(model, str(engine))
@@ -143,11 +144,11 @@ class StepMetrics(StepSink, Collector):
         self._inter_token = self.inter_token_latency_seconds.labels(model)
         # Labelled children by engine (and phase), looked up once: record() runs for every engine step.
         self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
-        self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge]] = {}
+        self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
         registry.register(self)
         steps.add_sink(self)
 
-    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
         children = self._queue_children.get(engine)
         if children is None:
             labels = (self._model, str(engine))
@@ -155,10 +156,12 @@ class StepMetrics(StepSink, Collector):
                 self.engine_requests.labels(*labels, "running"),
                 self.engine_requests.labels(*labels, "waiting"),
                 self.kv_cache_usage.labels(*labels),
+                self.engine_requests.labels(*labels, "deferred"),
             )
         children[0].set(running)
         children[1].set(waiting)
         children[2].set(kv_cache_usage)
+        children[3].set(deferred)
 
     def iteration(self, iteration: EngineIteration) -> None:
         observe_all(self._inter_token, iteration.inter_token_seconds)

@@ -11,6 +11,7 @@ from phasescope.telemetry.request.phases import (
     FrontendTimestamps,
     PhaseRecord,
     PhaseTimings,
+    SampleRecord,
     derive_phase_timings,
 )
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
@@ -126,6 +127,44 @@ def test_request_ended_before_its_first_token_counts_against_the_ttft_slo(regist
     assert value("phasescope_time_to_first_token_seconds_count") is None
     assert value("phasescope_request_phase_seconds_count", phase="decode") is None
     assert value("phasescope_requests_total", code="DEADLINE_EXCEEDED", finish_reason="error") == 1
+
+
+def test_a_structured_output_requests_queue_is_observed_by_its_kind(registry: CollectorRegistry) -> None:
+    observer = PrometheusRequestObserver(registry)
+    observer.request_first_token(FirstTokenRecord(MODEL, TIMINGS, 8, streaming=True, constraint="json_schema"))
+    observer.request_first_token(first_token())  # a plain request is not in it
+    series = "phasescope_structured_output_queue_seconds"
+    labels = {"model": MODEL, "constraint": "json_schema"}
+    assert registry.get_sample_value(f"{series}_count", labels) == 1
+    assert registry.get_sample_value(f"{series}_sum", labels) == pytest.approx(TIMINGS.queue_seconds)
+    assert registry.get_sample_value(f"{series}_count", {"model": MODEL, "constraint": "regex"}) is None
+
+
+def test_a_request_with_samples_observes_its_shared_stages_once_and_each_sequence_on_its_own(
+    registry: CollectorRegistry,
+) -> None:
+    observer = PrometheusRequestObserver(registry)
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    observer.request_started(MODEL)
+    for sample in range(3):
+        observer.request_first_token(
+            FirstTokenRecord(MODEL, TIMINGS, 8, streaming=True, sample=sample, request_first=sample == 0)
+        )
+    samples = tuple(
+        SampleRecord(index, "stop", 3, 4, TIMINGS, EngineTimestamps(10.0, 10.01, 10.31, 11.81)) for index in range(3)
+    )
+    observer.request_finished(record(samples=samples, completion_tokens=9))
+    assert value("phasescope_requests_total", code="OK", finish_reason="stop") == 1
+    assert value("phasescope_request_phase_seconds_count", phase="frontend") == 1
+    assert value("phasescope_client_time_to_first_token_seconds_count") == 1
+    for phase in ("queue", "prefill", "decode"):
+        assert value("phasescope_request_phase_seconds_count", phase=phase) == 3, phase
+    assert value("phasescope_time_to_first_token_seconds_count") == 3
+    assert value("phasescope_request_duration_seconds_count") == 3
+    assert value("phasescope_tokens_total", phase="prefill") == 24
 
 
 def test_rejections_are_counted_by_reason(registry: CollectorRegistry) -> None:

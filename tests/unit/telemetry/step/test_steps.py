@@ -282,9 +282,11 @@ def test_queue_depth_is_exported_per_engine() -> None:
     roofline = metrics(FakeClock(), registry, engines=2)
     waiting = {"model": "m", "engine": "1", "state": "waiting"}
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 0
-    roofline.record_queue(1, running=3, waiting=7, kv_cache_usage=0.25)
+    roofline.record_queue(1, running=3, waiting=7, kv_cache_usage=0.25, deferred=2)
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 7
     assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "running"}) == 3
+    # Held back until their grammar is compiled: apart from those waiting for a slot.
+    assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "deferred"}) == 2
     assert registry.get_sample_value("phasescope_kv_cache_usage_ratio", {"model": "m", "engine": "1"}) == 0.25
 
 
@@ -408,7 +410,7 @@ def test_every_sink_hears_each_report_with_the_attribution_made_once() -> None:
         def step(self, step: StepRecord, cost: StepCost) -> None:
             heard.append(f"step {cost.shares['decode'].tokens}")
 
-        def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
+        def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
             heard.append(f"queue {running}/{waiting}")
 
     aggregator = StepAggregator(COST, "float32", PEAKS, sinks=(Listening(),), clock=FakeClock())
