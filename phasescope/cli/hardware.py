@@ -86,20 +86,22 @@ def _refusal(args: argparse.Namespace) -> str | None:
 
 
 def print_datasheet() -> None:
-    """Every datasheet row: bandwidth and each dtype family's dense FLOP/s; a family a row lacks shows "-"."""
+    """Every datasheet row: memory, bandwidth and each dtype family's dense FLOP/s; a family a row lacks shows "-"."""
     from phasescope.telemetry.hardware.peaks import DATASHEET, FAMILIES
 
     key_width = max(len(key) for key in DATASHEET)
     header = "".join(f"{family:>10}" for family in FAMILIES)
-    print(f"{'device':<{key_width}}  {'TB/s':>6}{header}  (TFLOP/s, dense; fp32 is non-tensor)")
+    print(f"{'device':<{key_width}}  {'GiB':>5}  {'TB/s':>6}{header}  (TFLOP/s, dense; fp32 is non-tensor)")
     for key, peaks in DATASHEET.items():
         cells = "".join(
             f"{peaks.flops_per_second[family] / 1e12:>10.6g}" if family in peaks.flops_per_second else f"{'-':>10}"
             for family in FAMILIES
         )
         bandwidth = peaks.memory_bandwidth_bytes_per_second / 1e12
-        print(f"{key:<{key_width}}  {bandwidth:>6.4g}{cells}  {peaks.description}")
+        memory = f"{peaks.memory_bytes / 2**30:>5.0f}" if peaks.memory_bytes else f"{'-':>5}"
+        print(f"{key:<{key_width}}  {memory}  {bandwidth:>6.4g}{cells}  {peaks.description}")
+    print('Memory is the datasheet\'s "GB", which is binary: GiB (an 80 GB H100 SXM reports 79.6 GiB to NVML).')
     print(
         "A MIG slice is its GPU's row scaled by its share, e.g. --hardware 'h100-sxm mig 3g.40gb': "
-        "3/7 of each FLOP/s figure, 4/8 of the bandwidth."
+        "3/7 of each FLOP/s figure, 4/8 of the bandwidth and of the memory."
     )

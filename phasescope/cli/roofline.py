@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 from phasescope.telemetry.exposition import Samples, fetch_samples
 from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSource, dtype_family, lookup_device
+from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
 
@@ -48,6 +49,17 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     parser.add_argument("--peak-memory-bandwidth", type=float, help="override: peak bytes/s, e.g. 3.35e12")
     parser.add_argument("--peak-flops", type=float, help="override: peak dense FLOP/s, e.g. 989e12")
+    parser.add_argument(
+        "--device-memory",
+        type=float,
+        help="override: each device's memory in bytes, e.g. 85.9e9 (the datasheet table has every GPU's)",
+    )
+    parser.add_argument(
+        "--gpu-memory-utilization",
+        type=float,
+        default=DEFAULT_GPU_MEMORY_UTILIZATION,
+        help="share of each device's memory the engine may use, as vLLM's flag (default %(default)s)",
+    )
     parser.add_argument(
         "--parameters-in-checkpoint",
         type=_parameter_count,
@@ -103,7 +115,11 @@ def _cost_and_peaks(args: argparse.Namespace, served: HardwarePeaks | None) -> t
     else:
         cost = model_cost_from_folder(args.model, args.dtype, args.parameters_in_checkpoint, args.kv_cache_dtype)
     cost = cost.sharded(args.tensor_parallel_size, args.pipeline_parallel_size)
-    peaks = peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops)
+    if args.device_memory is not None and not args.device_memory > 0:
+        raise ValueError(f"--device-memory must be a positive number of bytes, got {args.device_memory}")
+    if not 0 < args.gpu_memory_utilization <= 1:
+        raise ValueError(f"--gpu-memory-utilization must be in (0, 1], got {args.gpu_memory_utilization}")
+    peaks = peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops, args.device_memory)
     peaks.peak_flops(args.dtype)  # a dtype the device has no figure for is refused here, by name
     return cost, peaks
 
@@ -191,6 +207,21 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
         "time = max(bytes ÷ peak bytes/s, FLOPs ÷ peak FLOP/s)",
         file=out,
     )
+    cap = report.capacity
+    if cap is not None:
+        kv = (
+            f"{cap.kv_capacity_tokens:,} tokens of KV cache = {cap.max_sequences_at_context:,} sequences of "
+            f"{max(1, report.context_length):,} tokens"
+            if cap.kv_capacity_tokens is not None
+            else "no KV figure without the model's shape (use --model)"
+        )
+        print(
+            f"memory {gb(cap.device_memory_bytes)} ({cap.device_memory_bytes / 2**30:,.1f} GiB) per device, "
+            f"{cap.memory_utilization:g} usable = "
+            f"{gb(cap.usable_bytes)}: weights {gb(cap.weight_bytes)} + activations and runtime "
+            f"{gb(cap.reserve_bytes)} (estimate) leave {gb(cap.kv_capacity_bytes)}: {kv}",
+            file=out,
+        )
     header: tuple[str, ...] = (
         "batch", "tok/s/seq", "tok/s total", "TFLOP/s", "bandwidth", "compute", "idle", "FLOP/byte", "bound",
     )  # fmt: skip
@@ -208,7 +239,7 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
             f"{row.compute_utilization:.2%}",
             f"{row.compute_idle:.2%}",
             f"{row.arithmetic_intensity_flops_per_byte:,.1f}",
-            row.bound,
+            row.bound if row.fits_in_kv_capacity else "no KV room",
         )
         if prices:
             cells = (*cells, f"{prices[index]:,.4g}")
@@ -219,6 +250,17 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
         + (f"{bound_at}" if bound_at is not None else "never (KV-cache traffic grows as fast as the FLOPs)"),
         file=out,
     )
+    if cap is not None and cap.max_sequences_at_context is not None:
+        wall = report.binding_wall
+        print(
+            f"the KV cache holds at most {cap.max_sequences_at_context:,} sequences at this context: "
+            + (
+                "capacity binds first (the batch fills the memory before it reaches the compute roof)"
+                if wall == "capacity"
+                else "compute binds first"
+            ),
+            file=out,
+        )
     print(
         f"prefill of a {report.prefill_tokens}-token prompt: {report.prefill_seconds * 1e3:,.2f} ms "
         f"({report.prefill_bound}-bound)",
@@ -235,17 +277,37 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
     bandwidth = report.peak_memory_bandwidth_bytes_per_second
     peak = report.peak_flops
     intensities = [row.arithmetic_intensity_flops_per_byte for row in report.rows]
+    walls = [report.capacity_row.arithmetic_intensity_flops_per_byte] if report.capacity_row is not None else []
     low = min(
-        [*intensities, report.ridge_point_flops_per_byte, *(p["arithmetic_intensity_flops_per_byte"] for p in live)]
+        [
+            *intensities,
+            *walls,
+            report.ridge_point_flops_per_byte,
+            *(p["arithmetic_intensity_flops_per_byte"] for p in live),
+        ]
     )
-    high = max([*intensities, report.ridge_point_flops_per_byte])
+    high = max([*intensities, *walls, report.ridge_point_flops_per_byte])
     x_low, x_high = low / 4, high * 4
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=100)
     xs = [x_low * (x_high / x_low) ** (i / 200) for i in range(201)]
     axes.plot(xs, [min(peak, bandwidth * x) for x in xs], color="black", linewidth=2, label="roofline")
     axes.axvline(report.ridge_point_flops_per_byte, color="grey", linestyle=":", label="ridge point")
+    wall = report.capacity_row
+    if wall is not None:
+        # The largest batch whose KV cache fits: decode reaches no intensity beyond its step's.
+        axes.axvline(
+            wall.arithmetic_intensity_flops_per_byte,
+            color="tab:orange",
+            linestyle="--",
+            label=f"KV capacity wall (batch {wall.batch_size})",
+        )
     axes.scatter(
-        intensities, [row.achieved_flops_per_second for row in report.rows], color="tab:blue", zorder=3, label="decode"
+        intensities,
+        [row.achieved_flops_per_second for row in report.rows],
+        # A batch whose KV cache does not fit is drawn grey: no deployment of this memory runs it.
+        color=["tab:blue" if row.fits_in_kv_capacity else "lightgrey" for row in report.rows],
+        zorder=3,
+        label="decode",
     )
     for row in report.rows:
         axes.annotate(
@@ -277,6 +339,34 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
     plt.close(figure)
 
 
+def does_not_fit(report: RooflineReport) -> str:
+    """One line for a deployment whose weights do not fit, naming the tensor-parallel size that would."""
+    cap = report.capacity
+    assert cap is not None  # only called for a report whose weights do not fit
+
+    def gb(value: float) -> str:
+        return f"{value / 1e9:,.1f} GB"
+
+    where = (
+        f"{report.device}'s {gb(cap.device_memory_bytes)} ({cap.memory_utilization:g} usable: {gb(cap.usable_bytes)})"
+    )
+    devices = (
+        f" at TP {report.tensor_parallel_size} × PP {report.pipeline_parallel_size}"
+        if report.tensor_parallel_size * report.pipeline_parallel_size > 1
+        else ""
+    )
+    fix = (
+        f"the smallest tensor-parallel size that fits is {cap.min_tensor_parallel_size} "
+        f"(--tensor-parallel-size {cap.min_tensor_parallel_size})"
+        if cap.min_tensor_parallel_size is not None
+        else "no tensor-parallel size up to 64 fits it"
+    )
+    return (
+        f"the weights do not fit{devices}: {gb(cap.weight_bytes)} per device, with "
+        f"{gb(cap.reserve_bytes)} for activations and runtime, against {where}; {fix}"
+    )
+
+
 def cmd(args: argparse.Namespace) -> int:
     try:
         samples = fetch_samples(args.metrics_url) if args.metrics_url else {}
@@ -297,8 +387,18 @@ def cmd(args: argparse.Namespace) -> int:
         print("phasescope roofline: batch sizes and --prompt-tokens must be ≥ 1, --context ≥ 0", file=sys.stderr)
         return 2
     report = roofline(
-        cost, peaks, args.dtype, batch_sizes=batch_sizes, context_length=args.context, prefill_tokens=args.prompt_tokens
+        cost,
+        peaks,
+        args.dtype,
+        batch_sizes=batch_sizes,
+        context_length=args.context,
+        prefill_tokens=args.prompt_tokens,
+        memory_utilization=args.gpu_memory_utilization,
     )
+    fits = report.capacity is None or report.capacity.weights_fit
+    if not fits and not args.json:
+        print(f"phasescope roofline: {does_not_fit(report)}", file=sys.stderr)
+        return 1
     live = live_points(samples)
     if args.json:
         data = report.to_json()
@@ -310,6 +410,8 @@ def cmd(args: argparse.Namespace) -> int:
             data["live"] = live
         json.dump(data, sys.stdout, indent=2)
         print()
+        if not fits:
+            return 1
     else:
         print_table(report, args.cost_per_hour)
         for point in live:

@@ -7,10 +7,11 @@ bandwidth until the batch is large enough for the FLOPs to catch up.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION, Capacity, Wall, binding_wall, capacity
 from phasescope.telemetry.model.cost import ModelCost
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
@@ -31,6 +32,8 @@ class DecodeRow:
     arithmetic_intensity_flops_per_byte: float
     bound: str
     """"memory" or "compute": which roof the step hits."""
+    fits_in_kv_capacity: bool = True
+    """The batch's KV cache at the context fits beside the weights (True when the capacity is unknown)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,10 +60,36 @@ class RooflineReport:
     prefill_seconds: float
     prefill_bound: str
     rows: tuple[DecodeRow, ...]
+    """Empty when the weights do not fit: no batch can run."""
+    capacity: Capacity | None = None
+    """Memory on each device and the KV cache beside the weights; None when the device's memory is unknown."""
+    capacity_row: DecodeRow | None = None
+    """The decode step of the largest batch whose KV cache fits at the context (the capacity wall)."""
+
+    @property
+    def binding_wall(self) -> Wall | None:
+        """The wall a growing batch hits first (None when the capacity is unknown)."""
+        if self.capacity is None:
+            return None
+        return binding_wall(self.capacity, self.compute_bound_batch_size)
 
     def to_json(self) -> dict[str, Any]:
         data = asdict(self)
         data["rows"] = [asdict(row) for row in self.rows]
+        cap = self.capacity
+        data.pop("capacity")
+        data["capacity_row"] = asdict(self.capacity_row) if self.capacity_row is not None else None
+        data.update(
+            device_memory_bytes=cap.device_memory_bytes if cap else None,
+            gpu_memory_utilization=cap.memory_utilization if cap else None,
+            weights_fit=cap.weights_fit if cap else None,
+            min_tensor_parallel_size=cap.min_tensor_parallel_size if cap else None,
+            activation_reserve_bytes=cap.reserve_bytes if cap else None,
+            kv_capacity_bytes=cap.kv_capacity_bytes if cap else None,
+            kv_capacity_tokens=cap.kv_capacity_tokens if cap else None,
+            max_sequences_at_context=cap.max_sequences_at_context if cap else None,
+            binding_wall=self.binding_wall,
+        )
         return data
 
     def cost_per_million_tokens(self, cost_per_hour: float) -> list[float]:
@@ -153,8 +182,21 @@ def roofline(
     batch_sizes: tuple[int, ...] = DEFAULT_BATCH_SIZES,
     context_length: int = 0,
     prefill_tokens: int = 1024,
+    memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
 ) -> RooflineReport:
+    """`peaks.memory_bytes`, when known, adds the capacity wall: whether the weights fit, the KV cache
+    beside them within `memory_utilization` of the memory, and which rows' batches fit in it."""
     prefill_seconds, prefill_bound = prefill_time(cost, peaks, dtype, prefill_tokens)
+    cap = capacity(cost, peaks.memory_bytes, context_length, memory_utilization) if peaks.memory_bytes else None
+    rows = tuple(decode_step(cost, peaks, dtype, batch, context_length) for batch in batch_sizes)
+    if cap is not None:
+        fit = cap.max_sequences_at_context
+        rows = tuple(replace(row, fits_in_kv_capacity=fit is None or row.batch_size <= fit) for row in rows)
+        if not cap.weights_fit:
+            rows = ()
+    wall = None
+    if cap is not None and cap.max_sequences_at_context:
+        wall = decode_step(cost, peaks, dtype, cap.max_sequences_at_context, context_length)
     return RooflineReport(
         device=peaks.device,
         peak_source=peaks.source,
@@ -174,5 +216,7 @@ def roofline(
         prefill_tokens=prefill_tokens,
         prefill_seconds=prefill_seconds,
         prefill_bound=prefill_bound,
-        rows=tuple(decode_step(cost, peaks, dtype, batch, context_length) for batch in batch_sizes),
+        rows=rows,
+        capacity=cap,
+        capacity_row=wall,
     )

@@ -9,19 +9,54 @@ from support.model_configs import LLAMA_3_1_70B, MIXTRAL_8X7B
 
 
 def test_reference_case_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert (
-        main(["roofline", "--params", "70e9", "--dtype", "bf16", "--hardware", "h100-sxm", "--batch-sizes", "1"]) == 0
-    )
+    # 70B in bf16 fits two H100s, not one: each streams its 70 GB half at 3.35 TB/s, 47.86 steps a second.
+    argv = ["roofline", "--params", "70e9", "--dtype", "bf16", "--hardware", "h100-sxm", "--batch-sizes", "1"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
     out = capsys.readouterr().out
-    assert "23.93" in out  # tokens/s per sequence
+    assert "47.86" in out  # tokens/s per sequence
     assert "3.350" in out  # TFLOP/s
     assert "0.34%" in out  # compute utilisation
     assert "99.66%" in out  # idle
     assert "compute-bound at batch 296" in out
 
 
+def test_a_model_that_does_not_fit_says_so_on_one_line_and_names_the_tp_that_would(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["roofline", "--params", "70e9", "--dtype", "bf16", "--hardware", "h100-sxm"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    (line,) = captured.err.splitlines()
+    assert "the weights do not fit: 140.0 GB per device" in line
+    assert "--tensor-parallel-size 2" in line
+    # The same answer as JSON: no impossible rows, the fields that say why.
+    assert main(["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--json"]) == 1
+    data = json.loads(capsys.readouterr().out)
+    assert (data["weights_fit"], data["min_tensor_parallel_size"], data["rows"]) == (False, 2, [])
+    assert data["device_memory_bytes"] == 80 * 2**30
+
+
+def test_the_kv_capacity_marks_the_batches_that_do_not_fit_and_names_the_binding_wall(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
+    argv = ["roofline", "--model", str(tmp_path), "--hardware", "h100-sxm", "--tensor-parallel-size", "4"]
+    assert main([*argv, "--context", "4096", "--batch-sizes", "64,128"]) == 0
+    out = capsys.readouterr().out
+    assert "479,505 tokens of KV cache = 117 sequences of 4,096 tokens" in out
+    assert "no KV room" in out  # batch 128
+    assert "capacity binds first" in out
+    assert main([*argv, "--context", "4096", "--json", "--gpu-memory-utilization", "0.95"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["binding_wall"] == "capacity"
+    assert data["gpu_memory_utilization"] == 0.95
+    # 0.05 more of 80 GiB is 4,294,967,296 bytes more KV (tests/unit/telemetry/model/test_capacity.py has the rest).
+    assert data["kv_capacity_tokens"] == (39_281_094_656 + 4_294_967_296) // 81_920 == 531_934
+
+
 def test_json_carries_the_same_figures_as_the_table(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,8", "--json"]) == 0
+    argv = ["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,8", "--json"]
+    assert main([*argv, "--tensor-parallel-size", "2"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["compute_bound_batch_size"] == 296
     # Batch 8 shares each weight read between 8 sequences: 8 × the single-sequence FLOP/s.
@@ -103,8 +138,10 @@ def test_tensor_parallel_figures_are_per_device(tmp_path: Path, capsys: pytest.C
 
 def test_kv_cache_dtype_flag(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
-    assert main(["roofline", "--model", str(tmp_path), "--kv-cache-dtype", "fp8", "--json"]) == 0
-    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 80 * 8 * 128 * 1
+    argv = ["roofline", "--model", str(tmp_path), "--kv-cache-dtype", "fp8", "--json", "--tensor-parallel-size", "2"]
+    assert main(argv) == 0
+    # Per device of TP 2: 4 of the 8 KV heads, 1 byte each.
+    assert json.loads(capsys.readouterr().out)["kv_bytes_per_token"] == 2 * 80 * 4 * 128 * 1
 
 
 def test_live_points_are_judged_against_the_server_s_own_peaks() -> None:
@@ -153,7 +190,9 @@ def test_a_moe_config_without_checkpoint_is_costed_from_its_config(
 
 
 def test_cost_per_million_tokens_at_each_batch_size(capsys: pytest.CaptureFixture[str]) -> None:
+    # The memory is the datasheet's 80 GB part's, doubled: the one-device price of a 70B model that fits.
     argv = ["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--batch-sizes", "1,64", "--json"]
+    argv += ["--device-memory", str(160 * 2**30)]
     assert main([*argv, "--cost-per-hour", "2.5"]) == 0
     batch_1, batch_64 = json.loads(capsys.readouterr().out)["rows"]
     # $2.50 an hour buys 3,600 s × 23.93 tok/s at batch 1: $29.02 per million tokens; batch 64 shares it 64 ways.

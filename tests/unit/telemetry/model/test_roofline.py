@@ -32,7 +32,8 @@ def test_ridge_point_of_h100() -> None:
 
 
 def test_batching_multiplies_flops_until_the_ridge() -> None:
-    cost = model_cost_from_numbers(70_000_000_000, "bf16")
+    # 70B at TP 2 (the smallest deployment whose weights fit): 35 GB and 70 GFLOP per token on each device.
+    cost = model_cost_from_numbers(70_000_000_000, "bf16").sharded(2, 1)
     report = roofline(cost, H100, "bf16", batch_sizes=(1, 64, 1024))
     one, sixty_four, huge = report.rows
     # Same weight read shared by 64 sequences: 64× the FLOP/s at the same step time.
@@ -65,8 +66,16 @@ def test_prefill_is_compute_bound_and_decode_memory_bound() -> None:
 
 
 def test_json_has_the_documented_fields() -> None:
-    data = roofline(model_cost_from_numbers(70_000_000_000, "bf16"), H100, "bf16", batch_sizes=(1, 2)).to_json()
+    data = roofline(
+        model_cost_from_numbers(70_000_000_000, "bf16").sharded(2, 1), H100, "bf16", batch_sizes=(1, 2)
+    ).to_json()
     for key in (
+        "device_memory_bytes",
+        "weights_fit",
+        "min_tensor_parallel_size",
+        "kv_capacity_tokens",
+        "max_sequences_at_context",
+        "binding_wall",
         "weight_bytes",
         "kv_bytes_per_token",
         "flops_per_token",
