@@ -270,7 +270,7 @@ def test_a_new_schema_waits_in_the_queue_for_its_grammar_and_the_same_schema_aga
     server: ServerProcess, client: Client
 ) -> None:
     # A schema no earlier request used (its property names are this run's): the engine compiles it.
-    # Twenty nested objects with patterns and enums take the compiler tens of milliseconds here.
+    # Sixty nested objects with patterns and enums take the compiler tens of milliseconds here.
     item = {
         "type": "object",
         "properties": {
@@ -280,7 +280,7 @@ def test_a_new_schema_waits_in_the_queue_for_its_grammar_and_the_same_schema_aga
         },
         "required": ["a", "b", "c"],
     }
-    names = [f"f{uuid.uuid4().hex[:8]}_{index}" for index in range(20)]
+    names = [f"f{uuid.uuid4().hex[:8]}_{index}" for index in range(60)]
     schema = json.dumps({"type": "object", "properties": dict.fromkeys(names, item), "required": names})
     request = build_request(prompt="{", max_tokens=4, structured=pb.StructuredOutput(json_schema=schema))
     series = "phasescope_structured_output_queue_seconds"
