@@ -53,6 +53,27 @@ class EngineView:
     queue_share: float
     headroom: Headroom
     idle_cost_per_hour: float | None
+    kv_cache_capacity_tokens: int = 0
+    """Tokens the engine's KV cache holds: its blocks × tokens per block (0: unknown)."""
+    waiting_reason: str = "other"
+    """Why its waiting requests wait now (`window.WAIT_REASONS`)."""
+    wait_shares: dict[str, float] | None = None
+    """The share of request time in the engine spent waiting, by reason, over the window."""
+    preemptions: int = 0
+    """Requests preempted for KV-cache blocks over the window."""
+
+    @property
+    def kv_cache_tokens(self) -> int:
+        """Tokens of KV cache in use now."""
+        return round(self.kv_cache_usage * self.kv_cache_capacity_tokens)
+
+    @property
+    def sequences_fit(self) -> float | None:
+        """Sequences the cache holds at the running sequences' mean context now (None: none running)."""
+        used = self.kv_cache_tokens
+        if not self.running or not used:
+            return None
+        return self.kv_cache_capacity_tokens / (used / self.running)
 
 
 class StepSink:
@@ -87,8 +108,12 @@ class StepAggregator:
         headroom_limits: HeadroomLimits | None = None,
         cost_per_hour: float | None = None,
         sinks: Iterable[StepSink] = (),
+        max_running: int = 0,
+        kv_cache_capacity_tokens: int = 0,
     ) -> None:
-        """`cost_per_hour` is each engine's price (None: no cost figures)."""
+        """`cost_per_hour` is each engine's price (None: no cost figures); `max_running` its batch limit
+        (max_num_seqs) and `kv_cache_capacity_tokens` its KV cache's size (0: unknown)."""
+        self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
         self.peaks = peaks
@@ -96,7 +121,7 @@ class StepAggregator:
         self._headroom_limits = headroom_limits or HeadroomLimits()
         self.cost_per_hour = cost_per_hour
         self.window = StepWindow(
-            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock, max_running
         )
         self.interference = InterferenceLedger()
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
@@ -120,6 +145,8 @@ class StepAggregator:
             sink.step(step, cost)
 
     def record_iteration(self, iteration: EngineIteration) -> None:
+        if iteration.preemptions:
+            self.window.add_preemptions(iteration.engine, iteration.preemptions)
         for sink in self._sinks:
             sink.iteration(iteration)
 
@@ -142,11 +169,14 @@ class StepAggregator:
     ) -> list[EngineView]:
         """Each engine's view of figures already read from the window (a scrape reads them once)."""
         length = self.window.length()
-        queue_shares = self.window.queue_shares()
+        wait_shares = self.window.wait_shares()
+        preemptions = self.window.preemptions()
         schedulers = self.window.schedulers()
         views = []
         for engine, device in devices.items():
-            share = queue_shares.get(engine, 0.0)
+            waits = wait_shares.get(engine, {})
+            share = sum(waits.values())
+            preempted = preemptions.get(engine, 0)
             running, waiting, kv_usage = schedulers.get(engine, (0, 0, 0.0))
             cost = None
             if self.cost_per_hour is not None:
@@ -165,7 +195,7 @@ class StepAggregator:
                 )
                 phase_views[phase] = PhaseView(
                     figures,
-                    phase_verdict(phase, work, length, share),
+                    phase_verdict(phase, work, length, share, waits.get("kv_cache", 0.0), preempted),
                     cost.per_million_tokens.get(phase) if cost is not None else None,
                 )
             views.append(
@@ -185,6 +215,10 @@ class StepAggregator:
                         share,
                     ),
                     idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
+                    kv_cache_capacity_tokens=self.kv_cache_capacity_tokens,
+                    waiting_reason=self.window.waiting_reason(engine),
+                    wait_shares=waits,
+                    preemptions=preempted,
                 )
             )
         return views

@@ -21,7 +21,7 @@ from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, StepRecord
 from phasescope.telemetry.step.verdict import VERDICTS
-from phasescope.telemetry.step.window import DeviceFigures, PhaseFigures
+from phasescope.telemetry.step.window import WAIT_REASONS, DeviceFigures, PhaseFigures
 
 # Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
 # to seconds on a loaded CPU.
@@ -257,7 +257,7 @@ class StepMetrics(StepSink, Collector):
         bound = GaugeMetricFamily(
             "phasescope_bound",
             "What bounds the phase over the window: 1 for the current verdict (memory, compute, host, queue, "
-            "idle), 0 for the others (docs/metrics.md, reading the verdict).",
+            "idle, capacity), 0 for the others (docs/metrics.md, reading the verdict).",
             labels=["model", "engine", "phase", "verdict"],
         )
         overhead = GaugeMetricFamily(
@@ -268,8 +268,43 @@ class StepMetrics(StepSink, Collector):
         )
         queue = GaugeMetricFamily(
             "phasescope_queue_wait_ratio",
-            "Share of the request time in the engine spent waiting for a slot (waiting ÷ waiting + running, "
-            "time-weighted) over the window.",
+            "Share of the request time in the engine spent waiting to be scheduled, for any reason (waiting ÷ "
+            "waiting + running, time-weighted) over the window.",
+            labels=["model", "engine"],
+        )
+        waits = GaugeMetricFamily(
+            "phasescope_queue_wait_by_reason_ratio",
+            "The same share split by why the requests waited: kv_cache (a slot free, the KV cache full or a "
+            "request preempted for blocks), slot (the batch at max_num_seqs) or other (the step's token budget).",
+            labels=["model", "engine", "reason"],
+        )
+        waiting_now = GaugeMetricFamily(
+            "phasescope_engine_waiting_requests",
+            "Requests waiting in the engine's queue now (vLLM's num_requests_waiting_by_reason capacity), by why "
+            "they wait: kv_cache, slot or other (the same rule as phasescope_queue_wait_by_reason_ratio).",
+            labels=["model", "engine", "reason"],
+        )
+        kv_capacity = GaugeMetricFamily(
+            "phasescope_kv_cache_capacity_tokens",
+            "Tokens the engine's KV cache holds: vLLM's num_gpu_blocks × block_size (the two labels of "
+            "vllm:cache_config_info), per engine.",
+            labels=["model", "engine"],
+        )
+        kv_used = GaugeMetricFamily(
+            "phasescope_kv_cache_tokens",
+            "Tokens of KV cache in use now: the engine's cache usage × its capacity.",
+            labels=["model", "engine"],
+        )
+        sequences_fit = GaugeMetricFamily(
+            "phasescope_kv_cache_sequences_fit",
+            "Sequences the KV cache holds at the running sequences' mean context now (capacity ÷ tokens in use "
+            "per running sequence); absent when none runs.",
+            labels=["model", "engine"],
+        )
+        preempted = GaugeMetricFamily(
+            "phasescope_preemptions_in_window",
+            "Requests the engine preempted for KV-cache blocks over the window (phasescope_preemptions_total "
+            "counts them all).",
             labels=["model", "engine"],
         )
         room = GaugeMetricFamily(
@@ -293,6 +328,15 @@ class StepMetrics(StepSink, Collector):
         for view in self._steps.views_of(phases, devices):
             labels = [self._model, str(view.engine)]
             queue.add_metric(labels, view.queue_share)
+            for reason in WAIT_REASONS:
+                waits.add_metric([*labels, reason], (view.wait_shares or {}).get(reason, 0.0))
+                waiting_now.add_metric([*labels, reason], view.waiting if reason == view.waiting_reason else 0.0)
+            if view.kv_cache_capacity_tokens:
+                kv_capacity.add_metric(labels, view.kv_cache_capacity_tokens)
+                kv_used.add_metric(labels, view.kv_cache_tokens)
+            if view.sequences_fit is not None:
+                sequences_fit.add_metric(labels, view.sequences_fit)
+            preempted.add_metric(labels, view.preemptions)
             for phase, phase_view in view.phases.items():
                 verdict = phase_view.verdict
                 for name in VERDICTS:
@@ -304,7 +348,7 @@ class StepMetrics(StepSink, Collector):
             room.add_metric([*labels, view.headroom.limit], view.headroom.ratio)
             if view.idle_cost_per_hour is not None:
                 idle_cost.add_metric(labels, view.idle_cost_per_hour)
-        yield from (bound, overhead, queue, room)
+        yield from (bound, overhead, queue, room, waits, waiting_now, kv_capacity, kv_used, sequences_fit, preempted)
         if self._steps.cost_per_hour is not None:
             yield from (per_million, idle_cost)
 

@@ -5,9 +5,15 @@ is in phasescope.telemetry.step.prometheus. The rules are written once, here, wi
 named constants; docs/metrics.md has a worked example of each verdict.
 
 **The verdict of a phase** (per engine, over the window), the first that applies:
+0. `capacity` (prefill and decode): the engine preempted a request for KV-cache blocks in the
+   window, or requests spent at least `KV_WAIT_SHARE_FOR_VERDICT` of their time in the engine
+   waiting for blocks while it had a free slot (`window.wait_reason`). The batch is held back
+   by the memory, not by the slots or the roofs: new prompts wait for blocks (prefill), and the
+   decode batch cannot grow (or loses sequences to recomputation).
 1. `queue` (prefill only): requests spent at least `QUEUE_SHARE_FOR_VERDICT` of their time in
-   the engine waiting for a slot rather than running. What a new request's first token waits
-   for is then the queue, whatever its prefill step does; decode is judged by its steps.
+   the engine waiting (for a slot, or another reason than KV blocks) rather than running. What
+   a new request's first token waits for is then the queue, whatever its prefill step does;
+   decode is judged by its steps.
 2. `idle`: the phase's steps took less than `IDLE_BUSY_SHARE` of the window — too little work
    to be bounded by anything.
 3. `host`: the phase's steps ran below `ROOF_ATTAINMENT_FOR_BOUND` of the roofline's
@@ -44,7 +50,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-VERDICTS = ("memory", "compute", "host", "queue", "idle")
+VERDICTS = ("memory", "compute", "host", "queue", "idle", "capacity")
 HEADROOM_LIMITS = ("bandwidth", "compute", "kv_cache", "queue")
 
 ROOF_ATTAINMENT_FOR_BOUND = 0.7
@@ -54,6 +60,9 @@ IDLE_BUSY_SHARE = 0.01
 """A phase busy less than this share of the window is `idle`."""
 QUEUE_SHARE_FOR_VERDICT = 0.5
 """Prefill is `queue`-bound when requests wait for a slot at least this share of their time in the engine."""
+KV_WAIT_SHARE_FOR_VERDICT = 0.1
+"""Both phases are `capacity`-bound when requests wait for KV-cache blocks, with a slot free, at least
+this share of their time in the engine (or a request was preempted)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +93,18 @@ def host_overhead(work: PhaseWork) -> float | None:
     return min(1.0, max(0.0, 1.0 - work.predicted_seconds / work.busy_seconds))
 
 
-def phase_verdict(phase: str, work: PhaseWork, window_seconds: float, queue_share: float) -> Verdict:
-    """The decision rule of the module docstring."""
+def phase_verdict(
+    phase: str,
+    work: PhaseWork,
+    window_seconds: float,
+    queue_share: float,
+    kv_wait_share: float = 0.0,
+    preemptions: int = 0,
+) -> Verdict:
+    """The decision rule of the module docstring (`queue_share` is every reason's wait, KV's included)."""
     overhead = host_overhead(work)
+    if preemptions > 0 or kv_wait_share >= KV_WAIT_SHARE_FOR_VERDICT:
+        return Verdict("capacity", overhead)
     if phase == "prefill" and queue_share >= QUEUE_SHARE_FOR_VERDICT:
         return Verdict("queue", overhead)
     if overhead is None or work.busy_seconds < IDLE_BUSY_SHARE * window_seconds:

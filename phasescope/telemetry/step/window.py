@@ -16,6 +16,22 @@ from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import PHASES, StepRecord
 
 DEFAULT_WINDOW_SECONDS = 10.0
+KV_FULL_USAGE = 0.9
+"""A waiting request waits for KV-cache blocks when the engine has a free slot and at least this share of
+its cache is in use (vLLM admits a request only if the blocks for its next chunk are free)."""
+WAIT_REASONS = ("kv_cache", "slot", "other")
+"""Why a request waits (vLLM's "capacity" reason, split): `slot` — the running batch is at max_num_seqs;
+`kv_cache` — a slot is free but the KV cache is full (or the step preempted a request for blocks);
+`other` — neither: the step's token budget, or a long prompt's chunks ahead of it."""
+
+
+def wait_reason(running: int, max_running: int, kv_cache_usage: float, preempted: bool) -> str:
+    """Why the waiting requests of one scheduler sample wait (`WAIT_REASONS`)."""
+    if max_running and running >= max_running:
+        return "slot"
+    if preempted or kv_cache_usage >= KV_FULL_USAGE:
+        return "kv_cache"
+    return "other"
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,8 +106,11 @@ class StepWindow:
         peak_flops: float,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] = time.monotonic,
+        max_running: int = 0,
     ) -> None:
+        """`max_running` is each engine's batch limit (vLLM's max_num_seqs; 0: unknown)."""
         self.engines = engines
+        self.max_running = max_running
         self.window_seconds = window_seconds
         self._bandwidth = peak_bandwidth_bytes_per_second
         self._flops = peak_flops
@@ -99,9 +118,13 @@ class StepWindow:
         self._started = clock()
         self._lock = threading.Lock()
         self._recent: deque[_Windowed] = deque()
-        # Scheduler samples (time, engine, running, waiting), one per stats update.
-        self._queue: deque[tuple[float, int, int, int]] = deque()
+        # Scheduler samples (time, engine, running, waiting, why they wait), one per stats update.
+        self._queue: deque[tuple[float, int, int, int, str]] = deque()
         self._scheduler: dict[int, tuple[int, int, float]] = {}
+        self._reason: dict[int, str] = {}
+        # Preemptions (time, engine, count), as the engine reports them.
+        self._preemptions: deque[tuple[float, int, int]] = deque()
+        self._preempted_since_sample: set[int] = set()
 
     def add(self, step: StepRecord, cost: StepCost) -> None:
         now = self._clock()
@@ -113,9 +136,35 @@ class StepWindow:
         """The engine's scheduler state at a stats update (every step, and after aborts)."""
         now = self._clock()
         with self._lock:
-            self._queue.append((now, engine, running, waiting))
+            preempted = engine in self._preempted_since_sample
+            self._preempted_since_sample.discard(engine)
+            reason = wait_reason(running, self.max_running, kv_cache_usage, preempted)
+            self._queue.append((now, engine, running, waiting, reason))
             self._scheduler[engine] = (running, waiting, kv_cache_usage)
+            self._reason[engine] = reason
             self._expire(now)
+
+    def add_preemptions(self, engine: int, count: int) -> None:
+        """Requests the engine preempted for KV-cache blocks in one output batch."""
+        now = self._clock()
+        with self._lock:
+            self._preemptions.append((now, engine, count))
+            self._preempted_since_sample.add(engine)
+            self._expire(now)
+
+    def preemptions(self) -> dict[int, int]:
+        """Per engine: requests preempted over the window."""
+        with self._lock:
+            self._expire(self._clock())
+            counts = dict.fromkeys(range(self.engines), 0)
+            for _, engine, count in self._preemptions:
+                counts[engine] = counts.get(engine, 0) + count
+            return counts
+
+    def waiting_reason(self, engine: int) -> str:
+        """Why the engine's waiting requests wait now (its latest sample's `wait_reason`)."""
+        with self._lock:
+            return self._reason.get(engine, "other")
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_seconds
@@ -123,26 +172,36 @@ class StepWindow:
             self._recent.popleft()
         while self._queue and self._queue[0][0] < horizon:
             self._queue.popleft()
+        while self._preemptions and self._preemptions[0][0] < horizon:
+            self._preemptions.popleft()
 
     def queue_shares(self) -> dict[int, float]:
-        """Per engine: the share of request time in the engine spent waiting for a slot, over the window.
+        """Per engine: the share of request time in the engine spent waiting, over the window.
 
         Each scheduler sample holds from the engine's previous sample to this one: waiting × that
         time is request-seconds queued, running × it request-seconds running.
         """
+        return {engine: sum(shares.values()) for engine, shares in self.wait_shares().items()}
+
+    def wait_shares(self) -> dict[int, dict[str, float]]:
+        """Per engine and `WAIT_REASONS` reason: the share of request time in the engine spent waiting for it."""
         now = self._clock()
         with self._lock:
             self._expire(now)
             samples = list(self._queue)
-        waited = dict.fromkeys(range(self.engines), 0.0)
+        waited = {engine: dict.fromkeys(WAIT_REASONS, 0.0) for engine in range(self.engines)}
         total = dict.fromkeys(range(self.engines), 0.0)
         previous: dict[int, float] = {}
-        for at, engine, running, waiting in samples:
+        for at, engine, running, waiting, reason in samples:
             held = at - previous.get(engine, at)
             previous[engine] = at
-            waited[engine] = waited.get(engine, 0.0) + held * waiting
+            shares = waited.setdefault(engine, dict.fromkeys(WAIT_REASONS, 0.0))
+            shares[reason] += held * waiting
             total[engine] = total.get(engine, 0.0) + held * (waiting + running)
-        return {engine: waited[engine] / total[engine] if total[engine] else 0.0 for engine in total}
+        return {
+            engine: {reason: value / total[engine] if total[engine] else 0.0 for reason, value in shares.items()}
+            for engine, shares in waited.items()
+        }
 
     def schedulers(self) -> dict[int, tuple[int, int, float]]:
         """Per engine, its latest scheduler state: (running, waiting, KV-cache usage)."""

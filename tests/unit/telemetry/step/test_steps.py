@@ -309,7 +309,7 @@ def test_decode_at_half_its_roof_reads_host_bound_and_near_it_memory_bound() -> 
     for _ in range(20):
         roofline.record(decode_step(1, flops=2e6, read_bytes=2.6e9, elapsed=0.05))
     assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.48)
-    assert verdicts(registry, "decode") == {"memory": 0, "compute": 0, "host": 1, "queue": 0, "idle": 0}
+    assert verdicts(registry, "decode") == {"memory": 0, "compute": 0, "host": 1, "queue": 0, "idle": 0, "capacity": 0}
     # No step carried prefill: idle, and no overhead figure for it.
     assert verdicts(registry, "prefill")["idle"] == 1
     assert gauge(registry, "phasescope_host_overhead_ratio", "prefill") is None
@@ -332,6 +332,62 @@ def test_requests_waiting_for_a_slot_make_prefill_queue_bound_and_use_up_headroo
     assert verdicts(registry, "prefill")["queue"] == 1
     labels = {"model": "m", "engine": "0", "limit": "queue"}
     assert registry.get_sample_value("phasescope_headroom_ratio", labels) == 0.0
+
+
+def reason_share(registry: CollectorRegistry, reason: str) -> float | None:
+    labels = {"model": "m", "engine": "0", "reason": reason}
+    return registry.get_sample_value("phasescope_queue_wait_by_reason_ratio", labels)
+
+
+def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_queue_bound() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
+    # Two running of eight slots, three waiting, the cache 96 % full, for two seconds: the waiting wait for
+    # blocks (60 % of request time), not for a slot.
+    for _ in range(3):
+        roofline.record_queue(0, running=2, waiting=3, kv_cache_usage=0.96)
+        clock.now += 1
+    assert reason_share(registry, "kv_cache") == pytest.approx(0.6)
+    assert reason_share(registry, "slot") == 0.0
+    assert verdicts(registry, "prefill")["capacity"] == 1
+    assert verdicts(registry, "decode")["capacity"] == 1
+    waiting = {"model": "m", "engine": "0", "reason": "kv_cache"}
+    assert registry.get_sample_value("phasescope_engine_waiting_requests", waiting) == 3
+    assert registry.get_sample_value("phasescope_engine_waiting_requests", {**waiting, "reason": "slot"}) == 0
+    # 0.96 × 4,096 = 3,932 tokens in use by two sequences: 1,966 each, so the cache holds 2.08 of them.
+    assert device(registry, "phasescope_kv_cache_capacity_tokens") == 4096
+    assert device(registry, "phasescope_kv_cache_tokens") == 3932
+    assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(4096 / 1966)
+
+
+def test_requests_waiting_with_every_slot_taken_wait_for_a_slot_whatever_the_cache() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
+    for _ in range(3):
+        roofline.record_queue(0, running=8, waiting=8, kv_cache_usage=0.95)
+        clock.now += 1
+    assert reason_share(registry, "slot") == pytest.approx(0.5)
+    assert reason_share(registry, "kv_cache") == 0.0
+    assert verdicts(registry, "prefill")["queue"] == 1
+    assert verdicts(registry, "decode")["capacity"] == 0
+
+
+def test_a_preemption_makes_both_phases_capacity_bound_for_the_window() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
+    roofline.record_queue(0, running=4, waiting=0, kv_cache_usage=0.5)
+    clock.now += 1
+    roofline.record_iteration(EngineIteration(0, (), preemptions=1))
+    roofline.record_queue(0, running=3, waiting=1, kv_cache_usage=0.7)
+    assert device(registry, "phasescope_preemptions_in_window") == 1
+    assert verdicts(registry, "decode")["capacity"] == 1
+    # The waiting request of that sample waited for blocks: its sequence was preempted for them.
+    assert reason_share(registry, "kv_cache") == pytest.approx(1 / 4)
+    # Past the window, nothing says capacity any more.
+    clock.now += 11
+    roofline.record_queue(0, running=3, waiting=0, kv_cache_usage=0.7)
+    assert device(registry, "phasescope_preemptions_in_window") == 0
+    assert verdicts(registry, "decode")["capacity"] == 0
 
 
 def test_headroom_names_the_nearest_limit() -> None:
