@@ -220,7 +220,6 @@ class Server:
                 ),
                 cost_per_hour=engine_cost_per_hour(settings, description),
                 sinks=(recent,),
-                max_running=description.max_num_seqs,
                 kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
             )
             StepMetrics(model_name, aggregated, self.registry)

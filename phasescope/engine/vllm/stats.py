@@ -17,6 +17,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.window import wait_reason
 
 
 class PhasescopeStatLogger(StatLoggerBase):
@@ -28,6 +29,9 @@ class PhasescopeStatLogger(StatLoggerBase):
         self._engines = engines if engines is not None else [engine_index]
         self._engine_index = engine_index
         self._forward = forward
+        # What ends the scheduler's admission of waiting requests in a step, beside the KV cache.
+        self._max_num_seqs = int(vllm_config.scheduler_config.max_num_seqs)
+        self._token_budget = int(vllm_config.scheduler_config.max_num_batched_tokens)
         speculative = vllm_config.speculative_config
         # A decoding sequence computes one new token per step, plus its draft tokens when
         # speculating; more than that is a resumed request recomputing what preemption dropped.
@@ -58,7 +62,9 @@ class PhasescopeStatLogger(StatLoggerBase):
     def _record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_idx: int
     ) -> None:
+        preempted = False
         if iteration_stats is not None:
+            preempted = iteration_stats.num_preempted_reqs > 0
             self._forward.iteration(
                 EngineIteration(
                     engine=engine_idx,
@@ -68,16 +74,19 @@ class PhasescopeStatLogger(StatLoggerBase):
             )
         if scheduler_stats is None:
             return
+        details = scheduler_stats.iteration_details
+        scheduled = details.num_ctx_tokens + details.num_generation_tokens if details is not None else 0
+        running = scheduler_stats.num_running_reqs
         self._forward.queue(
             engine_idx,
-            scheduler_stats.num_running_reqs,
+            running,
             scheduler_stats.num_waiting_reqs,
             scheduler_stats.kv_cache_usage,
             # Waiting requests the scheduler skips while blocked: on this worker (no KV transfer), those
             # whose structured output's grammar is still compiling.
             scheduler_stats.num_skipped_waiting_reqs,
+            wait_reason(running, self._max_num_seqs, scheduled, self._token_budget, preempted),
         )
-        details = scheduler_stats.iteration_details
         if details is None or details.is_dummy:
             return
         perf = scheduler_stats.perf_stats

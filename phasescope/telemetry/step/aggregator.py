@@ -108,11 +108,10 @@ class StepAggregator:
         headroom_limits: HeadroomLimits | None = None,
         cost_per_hour: float | None = None,
         sinks: Iterable[StepSink] = (),
-        max_running: int = 0,
         kv_cache_capacity_tokens: int = 0,
     ) -> None:
-        """`cost_per_hour` is each engine's price (None: no cost figures); `max_running` its batch limit
-        (max_num_seqs) and `kv_cache_capacity_tokens` its KV cache's size (0: unknown)."""
+        """`cost_per_hour` is each engine's price (None: no cost figures); `kv_cache_capacity_tokens` its KV
+        cache's size (0: unknown)."""
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
@@ -121,7 +120,7 @@ class StepAggregator:
         self._headroom_limits = headroom_limits or HeadroomLimits()
         self.cost_per_hour = cost_per_hour
         self.window = StepWindow(
-            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock, max_running
+            engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
         )
         self.interference = InterferenceLedger()
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
@@ -150,8 +149,16 @@ class StepAggregator:
         for sink in self._sinks:
             sink.iteration(iteration)
 
-    def record_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
-        self.window.add_queue(engine, running, waiting, kv_cache_usage)
+    def record_queue(
+        self,
+        engine: int,
+        running: int,
+        waiting: int,
+        kv_cache_usage: float,
+        deferred: int = 0,
+        reason: str = "other",
+    ) -> None:
+        self.window.add_queue(engine, running, waiting, kv_cache_usage, reason)
         for sink in self._sinks:
             sink.queue(engine, running, waiting, kv_cache_usage, deferred)
 

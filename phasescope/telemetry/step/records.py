@@ -67,7 +67,7 @@ class StepForwarder:
     def __init__(self, on_error: Callable[[str, BaseException], None] = lambda component, exc: None) -> None:
         self.sink: Callable[[StepRecord], None] | None = None
         self.iteration_sink: Callable[[EngineIteration], None] | None = None
-        self.queue_sink: Callable[[int, int, int, float, int], None] | None = None
+        self.queue_sink: Callable[[int, int, int, float, int, str], None] | None = None
         self.on_error = on_error
 
     def failed(self, exc: BaseException) -> None:
@@ -87,8 +87,16 @@ class StepForwarder:
     def iteration(self, iteration: EngineIteration) -> None:
         self._deliver(self.iteration_sink, iteration)
 
-    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
+    def queue(
+        self,
+        engine: int,
+        running: int,
+        waiting: int,
+        kv_cache_usage: float,
+        deferred: int = 0,
+        reason: str = "other",
+    ) -> None:
         """The engine's scheduler state, reported with every stats update (also after aborts): `waiting`
         requests could be scheduled, `deferred` ones are held back (a structured output's grammar still
-        compiling)."""
-        self._deliver(self.queue_sink, engine, running, waiting, kv_cache_usage, deferred)
+        compiling); `reason` is why the waiting wait (`window.wait_reason`)."""
+        self._deliver(self.queue_sink, engine, running, waiting, kv_cache_usage, deferred, reason)

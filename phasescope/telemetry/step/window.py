@@ -16,22 +16,24 @@ from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import PHASES, StepRecord
 
 DEFAULT_WINDOW_SECONDS = 10.0
-KV_FULL_USAGE = 0.9
-"""A waiting request waits for KV-cache blocks when the engine has a free slot and at least this share of
-its cache is in use (vLLM admits a request only if the blocks for its next chunk are free)."""
 WAIT_REASONS = ("kv_cache", "slot", "other")
 """Why a request waits (vLLM's "capacity" reason, split): `slot` — the running batch is at max_num_seqs;
-`kv_cache` — a slot is free but the KV cache is full (or the step preempted a request for blocks);
-`other` — neither: the step's token budget, or a long prompt's chunks ahead of it."""
+`other` — the step used its whole token budget (max_num_batched_tokens); `kv_cache` — neither, so the
+scheduler left it waiting because the blocks for its next chunk were not free (or the step preempted a
+running request for blocks)."""
 
 
-def wait_reason(running: int, max_running: int, kv_cache_usage: float, preempted: bool) -> str:
-    """Why the waiting requests of one scheduler sample wait (`WAIT_REASONS`)."""
+def wait_reason(running: int, max_running: int, scheduled_tokens: int, token_budget: int, preempted: bool) -> str:
+    """Why the waiting requests of one scheduler sample wait (`WAIT_REASONS`), from the step that left them
+    waiting: vLLM's scheduler admits waiting requests in order until a slot, the token budget or the KV
+    cache runs out (a text model without LoRA has no other limit)."""
+    if preempted:
+        return "kv_cache"
     if max_running and running >= max_running:
         return "slot"
-    if preempted or kv_cache_usage >= KV_FULL_USAGE:
-        return "kv_cache"
-    return "other"
+    if token_budget and scheduled_tokens >= token_budget:
+        return "other"
+    return "kv_cache"
 
 
 @dataclass(frozen=True, slots=True)
@@ -106,11 +108,8 @@ class StepWindow:
         peak_flops: float,
         window_seconds: float = DEFAULT_WINDOW_SECONDS,
         clock: Callable[[], float] = time.monotonic,
-        max_running: int = 0,
     ) -> None:
-        """`max_running` is each engine's batch limit (vLLM's max_num_seqs; 0: unknown)."""
         self.engines = engines
-        self.max_running = max_running
         self.window_seconds = window_seconds
         self._bandwidth = peak_bandwidth_bytes_per_second
         self._flops = peak_flops
@@ -124,7 +123,6 @@ class StepWindow:
         self._reason: dict[int, str] = {}
         # Preemptions (time, engine, count), as the engine reports them.
         self._preemptions: deque[tuple[float, int, int]] = deque()
-        self._preempted_since_sample: set[int] = set()
 
     def add(self, step: StepRecord, cost: StepCost) -> None:
         now = self._clock()
@@ -132,13 +130,11 @@ class StepWindow:
             self._recent.append(_Windowed(now, step.elapsed_seconds, step.engine, cost, step))
             self._expire(now)
 
-    def add_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float) -> None:
-        """The engine's scheduler state at a stats update (every step, and after aborts)."""
+    def add_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, reason: str = "other") -> None:
+        """The engine's scheduler state at a stats update (every step, and after aborts), and why its waiting
+        requests wait (`wait_reason`)."""
         now = self._clock()
         with self._lock:
-            preempted = engine in self._preempted_since_sample
-            self._preempted_since_sample.discard(engine)
-            reason = wait_reason(running, self.max_running, kv_cache_usage, preempted)
             self._queue.append((now, engine, running, waiting, reason))
             self._scheduler[engine] = (running, waiting, kv_cache_usage)
             self._reason[engine] = reason
@@ -149,7 +145,6 @@ class StepWindow:
         now = self._clock()
         with self._lock:
             self._preemptions.append((now, engine, count))
-            self._preempted_since_sample.add(engine)
             self._expire(now)
 
     def preemptions(self) -> dict[int, int]:

@@ -10,7 +10,7 @@ from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost, attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
-from phasescope.telemetry.step.window import overlap_fraction
+from phasescope.telemetry.step.window import overlap_fraction, wait_reason
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
 PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
@@ -341,11 +341,11 @@ def reason_share(registry: CollectorRegistry, reason: str) -> float | None:
 
 def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_queue_bound() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
-    # Two running of eight slots, three waiting, the cache 96 % full, for two seconds: the waiting wait for
-    # blocks (60 % of request time), not for a slot.
+    roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
+    # Two running of eight slots, three waiting for blocks, the cache 96 % full, for two seconds: 60 % of
+    # request time waiting for blocks, not for a slot.
     for _ in range(3):
-        roofline.record_queue(0, running=2, waiting=3, kv_cache_usage=0.96)
+        roofline.record_queue(0, running=2, waiting=3, kv_cache_usage=0.96, reason="kv_cache")
         clock.now += 1
     assert reason_share(registry, "kv_cache") == pytest.approx(0.6)
     assert reason_share(registry, "slot") == 0.0
@@ -360,11 +360,20 @@ def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_
     assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(4096 / 1966)
 
 
+def test_why_a_request_waits_is_what_ended_the_steps_admission() -> None:
+    # Eight slots, a budget of 2,048 tokens a step.
+    assert wait_reason(running=8, max_running=8, scheduled_tokens=8, token_budget=2048, preempted=False) == "slot"
+    assert wait_reason(4, 8, scheduled_tokens=2048, token_budget=2048, preempted=False) == "other"
+    # Slots and budget left, and still waiting: its next chunk's blocks were not free.
+    assert wait_reason(4, 8, scheduled_tokens=4, token_budget=2048, preempted=False) == "kv_cache"
+    assert wait_reason(8, 8, scheduled_tokens=8, token_budget=2048, preempted=True) == "kv_cache"
+
+
 def test_requests_waiting_with_every_slot_taken_wait_for_a_slot_whatever_the_cache() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
+    roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
     for _ in range(3):
-        roofline.record_queue(0, running=8, waiting=8, kv_cache_usage=0.95)
+        roofline.record_queue(0, running=8, waiting=8, kv_cache_usage=0.95, reason="slot")
         clock.now += 1
     assert reason_share(registry, "slot") == pytest.approx(0.5)
     assert reason_share(registry, "kv_cache") == 0.0
@@ -374,11 +383,11 @@ def test_requests_waiting_with_every_slot_taken_wait_for_a_slot_whatever_the_cac
 
 def test_a_preemption_makes_both_phases_capacity_bound_for_the_window() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    roofline = metrics(clock, registry, max_running=8, kv_cache_capacity_tokens=4096)
+    roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
     roofline.record_queue(0, running=4, waiting=0, kv_cache_usage=0.5)
     clock.now += 1
     roofline.record_iteration(EngineIteration(0, (), preemptions=1))
-    roofline.record_queue(0, running=3, waiting=1, kv_cache_usage=0.7)
+    roofline.record_queue(0, running=3, waiting=1, kv_cache_usage=0.7, reason=wait_reason(3, 8, 3, 2048, True))
     assert device(registry, "phasescope_preemptions_in_window") == 1
     assert verdicts(registry, "decode")["capacity"] == 1
     # The waiting request of that sample waited for blocks: its sequence was preempted for them.

