@@ -39,7 +39,14 @@ SPARKLINE_SPAN_SECONDS = 60.0
 SPARKLINE_WIDTH = 20
 BAR_WIDTH = 10
 _SPARK_LEVELS = "▁▂▃▄▅▆▇█"
-_VERDICT_STYLES = {"memory": "cyan", "compute": "magenta", "host": "yellow", "queue": "red", "idle": "dim"}
+_VERDICT_STYLES = {
+    "memory": "cyan",
+    "compute": "magenta",
+    "host": "yellow",
+    "queue": "red",
+    "idle": "dim",
+    "capacity": "bold red",
+}
 
 
 class SortKey(enum.Enum):
@@ -238,7 +245,23 @@ def _engine_lines(engine: pb.EngineSnapshot, cost: bool) -> list[Text]:
         f"  queue  running {engine.running} · waiting {engine.waiting} · "
         f"KV cache {percent(engine.kv_cache_usage)} · queue wait {percent(engine.queue_wait_ratio)}"
     )
-    return [summary, queue]
+    lines = [summary, queue]
+    if engine.kv_cache_capacity_tokens:
+        # The third wall: what the cache holds, who waits for it, and who lost their blocks to it.
+        pressed = engine.waiting_for_kv_cache or engine.preemptions_in_window
+        fit = f" · fits {engine.kv_cache_sequences_fit:,.0f} seq" if engine.kv_cache_sequences_fit else ""
+        lines.append(
+            Text.assemble(
+                f"  memory KV {engine.kv_cache_tokens:,}/{engine.kv_cache_capacity_tokens:,} tokens{fit} · ",
+                (
+                    f"waiting for KV {engine.waiting_for_kv_cache}, for a slot {engine.waiting_for_slot} · "
+                    f"KV wait {percent(engine.kv_cache_wait_ratio)} · "
+                    f"preempted {engine.preemptions_in_window}",
+                    "bold red" if pressed else "",
+                ),
+            )
+        )
+    return lines
 
 
 def _phase_table(engine: pb.EngineSnapshot, history: TokenRateHistory, detail: Detail) -> Table:

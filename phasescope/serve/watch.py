@@ -122,6 +122,13 @@ def _engine_snapshot(view: EngineView) -> pb.EngineSnapshot:
         headroom_limit=view.headroom.limit,
         idle_cost_per_hour=view.idle_cost_per_hour or 0.0,
         has_cost=view.idle_cost_per_hour is not None,
+        kv_cache_capacity_tokens=view.kv_cache_capacity_tokens,
+        kv_cache_tokens=view.kv_cache_tokens,
+        kv_cache_sequences_fit=view.sequences_fit or 0.0,
+        waiting_for_kv_cache=view.waiting if view.waiting_reason == "kv_cache" else 0,
+        waiting_for_slot=view.waiting if view.waiting_reason == "slot" else 0,
+        kv_cache_wait_ratio=(view.wait_shares or {}).get("kv_cache", 0.0),
+        preemptions_in_window=view.preemptions,
     )
     for phase, phase_view in view.phases.items():
         figures = phase_view.figures

@@ -1134,6 +1134,13 @@ class EngineSnapshot(_message.Message):
     HEADROOM_LIMIT_FIELD_NUMBER: _builtins.int
     IDLE_COST_PER_HOUR_FIELD_NUMBER: _builtins.int
     HAS_COST_FIELD_NUMBER: _builtins.int
+    KV_CACHE_CAPACITY_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_CACHE_SEQUENCES_FIT_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_KV_CACHE_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_SLOT_FIELD_NUMBER: _builtins.int
+    KV_CACHE_WAIT_RATIO_FIELD_NUMBER: _builtins.int
+    PREEMPTIONS_IN_WINDOW_FIELD_NUMBER: _builtins.int
     engine: _builtins.int
     """The data-parallel engine core's index."""
     memory_bandwidth_utilization: _builtins.float
@@ -1160,6 +1167,26 @@ class EngineSnapshot(_message.Message):
     --accelerator-cost-per-hour (has_cost false).
     """
     has_cost: _builtins.bool
+    kv_cache_capacity_tokens: _builtins.int
+    """Tokens the KV cache holds (its blocks × tokens per block; 0: unknown),
+    and those in use now.
+    """
+    kv_cache_tokens: _builtins.int
+    kv_cache_sequences_fit: _builtins.float
+    """Sequences the KV cache holds at the running sequences' mean context now
+    (0 when none runs).
+    """
+    waiting_for_kv_cache: _builtins.int
+    """Of `waiting`: those waiting for KV-cache blocks with a slot free, and
+    those waiting for a slot (the rest wait for the step's token budget).
+    """
+    waiting_for_slot: _builtins.int
+    kv_cache_wait_ratio: _builtins.float
+    """Share of the request time in the engine spent waiting for KV-cache
+    blocks over the window (part of queue_wait_ratio).
+    """
+    preemptions_in_window: _builtins.int
+    """Requests preempted for KV-cache blocks over the window."""
     @_builtins.property
     def phases(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseSnapshot]:
         """"prefill" and "decode", in that order."""
@@ -1181,10 +1208,17 @@ class EngineSnapshot(_message.Message):
         headroom_limit: _builtins.str = ...,
         idle_cost_per_hour: _builtins.float = ...,
         has_cost: _builtins.bool = ...,
+        kv_cache_capacity_tokens: _builtins.int = ...,
+        kv_cache_tokens: _builtins.int = ...,
+        kv_cache_sequences_fit: _builtins.float = ...,
+        waiting_for_kv_cache: _builtins.int = ...,
+        waiting_for_slot: _builtins.int = ...,
+        kv_cache_wait_ratio: _builtins.float = ...,
+        preemptions_in_window: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_usage", b"kv_cache_usage", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "waiting", b"waiting"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_capacity_tokens", b"kv_cache_capacity_tokens", "kv_cache_sequences_fit", b"kv_cache_sequences_fit", "kv_cache_tokens", b"kv_cache_tokens", "kv_cache_usage", b"kv_cache_usage", "kv_cache_wait_ratio", b"kv_cache_wait_ratio", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "preemptions_in_window", b"preemptions_in_window", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "waiting", b"waiting", "waiting_for_kv_cache", b"waiting_for_kv_cache", "waiting_for_slot", b"waiting_for_slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

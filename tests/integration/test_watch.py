@@ -66,6 +66,10 @@ def test_snapshots_follow_a_stream_from_prefill_to_decode_and_agree_with_metrics
         sum_samples(metrics, "phasescope_tokens_per_second", phase="decode"), rel=0.25
     )
     assert last.requests_in_flight == 1
+    # The KV cache as /metrics has it: the engine's capacity, and the one sequence's tokens in use.
+    assert engine.kv_cache_capacity_tokens == sum_samples(metrics, "phasescope_kv_cache_capacity_tokens") > 0
+    assert engine.kv_cache_tokens > 0
+    assert engine.kv_cache_sequences_fit > 1
     assert server.wait_engine_idle(timeout=60) == IDLE
 
 

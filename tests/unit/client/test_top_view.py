@@ -133,6 +133,21 @@ def test_engine_rows_show_saturation_bars_verdict_rate_overhead_headroom_and_que
     assert prefill.split()[:4] == ["prefill", "—", "—", "idle"]  # a phase that ran no step has no bars
 
 
+def test_the_memory_line_shows_the_kv_cache_and_who_waits_for_it() -> None:
+    snap = snapshot()
+    engine = snap.engines[0]
+    assert "memory KV" not in frame(snap)  # a server that reports no capacity has no such line
+    engine.kv_cache_capacity_tokens, engine.kv_cache_tokens, engine.kv_cache_sequences_fit = 2048, 1900, 2.7
+    engine.waiting, engine.waiting_for_kv_cache, engine.kv_cache_wait_ratio = 5, 5, 0.62
+    engine.preemptions_in_window = 1
+    engine.phases[1].verdict = "capacity"
+    text = frame(snap)
+    memory = line_with(text, "memory KV")
+    assert "KV 1,900/2,048 tokens · fits 3 seq" in memory
+    assert "waiting for KV 5, for a slot 0 · KV wait 62.0% · preempted 1" in memory
+    assert line_with(text, "decode  ").split()[5] == "capacity"
+
+
 def test_latency_line_gives_quantiles_with_samples_and_phase_means() -> None:
     text = frame()
     assert "TTFT p50 287 ms p99 310 ms (3) · ITL p50 89.7 ms p99 120 ms (240)" in line_with(text, "latency")
