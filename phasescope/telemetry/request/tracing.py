@@ -179,10 +179,14 @@ class TracingObserver:
             # A stage the request never left closes when the request ended.
             closed_at = (wall(stamp_value(stage.end, front, stamps)) if seconds is not None else None) or end
             child = self._tracer.start_span(stage.name, context=context, start_time=_nanoseconds(phase_start))
-            stage_attributes = {
+            stage_attributes: dict[str, float | int | None] = {
                 f"phasescope.{stage.seconds_field}": seconds,
                 **_EXTRA_ATTRIBUTES.get(stage.name, _no_attributes)(timings),
             }
+            if stage.name == "prefill":
+                # What the prefill did and did not compute: the prefix cache held the rest.
+                stage_attributes["phasescope.cached_prompt_tokens"] = record.cached_prompt_tokens
+                stage_attributes["phasescope.prefill_tokens_computed"] = record.prefill_tokens_computed
             child.set_attributes({key: value for key, value in stage_attributes.items() if value is not None})
             child.end(end_time=_nanoseconds(max(closed_at, phase_start)))
         if first_token is not None:
