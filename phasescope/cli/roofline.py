@@ -126,7 +126,7 @@ def _cost_and_peaks(args: argparse.Namespace, served: HardwarePeaks | None) -> t
 
 def served_peaks(samples: Samples) -> HardwarePeaks | None:
     """The peaks a running server judges its engines against, from its /metrics samples."""
-    bandwidth = flops = None
+    bandwidth = flops = memory = None
     dtype = source = device = ""
     for (name, label_set), value in samples.items():
         labels = dict(label_set)
@@ -136,10 +136,12 @@ def served_peaks(samples: Samples) -> HardwarePeaks | None:
             flops, dtype = value, labels.get("dtype", "")
         elif name == "phasescope_hardware_info":
             device = labels.get("device", "")
+        elif name == "phasescope_hardware_memory_bytes":
+            memory = value
     if bandwidth is None or flops is None:
         return None
     kind: PeakSource = "measured" if source == "measured" else "datasheet" if source == "datasheet" else "flag"
-    return HardwarePeaks(device or "server", bandwidth, {dtype_family(dtype): flops}, kind, device)
+    return HardwarePeaks(device or "server", bandwidth, {dtype_family(dtype): flops}, kind, device, memory)
 
 
 def live_points(samples: Samples) -> list[dict[str, Any]]:

@@ -37,7 +37,7 @@ from phasescope.serve.engine_protocol.servicer import VllmEngineServicer, engine
 from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
 from phasescope.serve.lifecycle import RequestPath
-from phasescope.serve.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks
+from phasescope.serve.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.serve.tracing_setup import build_tracing
 from phasescope.serve.watch import ServerFacts
 from phasescope.telemetry.errors import TelemetryErrors
@@ -206,7 +206,9 @@ class Server:
                 # After the peaks: a probe measures the whole machine, not the CPUs left to the front end.
                 await asyncio.to_thread(_pin_front_end)
             # On a CPU the engine cores share the machine's cores and memory.
-            engine_peaks = per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu)
+            engine_peaks = with_memory_capacity(
+                per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu), description
+            )
             aggregated = StepAggregator(
                 description.cost,
                 description.dtype,

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Mapping
+from dataclasses import replace
 
 from phasescope.engine.base import ModelDescription
 from phasescope.engine.default_model import cache_root
@@ -139,6 +140,24 @@ def per_engine_peaks(peaks: HardwarePeaks, settings: Settings, data_parallel_siz
         memory_share=1.0 if bandwidth_measured else 1 / engines,
         compute_share=1.0 if flops_measured else 1 / engines,
     )
+
+
+def with_memory_capacity(peaks: HardwarePeaks, description: ModelDescription) -> HardwarePeaks:
+    """Each engine's peaks with its memory capacity: a datasheet row's; on a CPU, the KV budget the engine
+    was given (its cache's blocks × tokens × bytes per token) plus its weights; on a GPU without a row,
+    what torch reports for device 0."""
+    if peaks.memory_bytes is not None and not description.on_cpu:
+        return peaks
+    if description.on_cpu:
+        cost = description.cost
+        budget = description.kv_cache_capacity_tokens * cost.device_kv_cache_bytes_per_token
+        return replace(peaks, memory_bytes=budget + cost.device_weight_bytes) if budget else peaks
+    try:
+        import torch
+
+        return replace(peaks, memory_bytes=float(torch.cuda.get_device_properties(0).total_memory))
+    except Exception:  # no CUDA device the front end can see: the capacity stays unknown
+        return peaks
 
 
 def engine_cost_per_hour(settings: Settings, description: ModelDescription) -> float | None:

@@ -416,3 +416,12 @@ class StepMetrics(StepSink, Collector):
         )
         info.add_metric([self._model, self._peaks.description or self._peaks.device, source, str(self._engines)], 1.0)
         yield from (bandwidth, flops, ridge, info)
+        if self._peaks.memory_bytes is not None:
+            memory = GaugeMetricFamily(
+                "phasescope_hardware_memory_bytes",
+                "Memory capacity of each engine's device: the datasheet's (its GB read as GiB), on a CPU the KV "
+                "budget the engine was given plus its weights.",
+                labels=["model", "source"],
+            )
+            memory.add_metric([self._model, source], self._peaks.memory_bytes)
+            yield memory

@@ -201,3 +201,26 @@ def test_with_an_explicit_mask_whole_machine_flags_and_datasheet_rows_are_still_
     each = per_engine_peaks(row, Settings(hardware="l4"), data_parallel_size=2, on_cpu=True)
     assert each.memory_bandwidth_bytes_per_second == row.memory_bandwidth_bytes_per_second / 2
     assert each.peak_flops("bf16") == row.peak_flops("bf16") / 2
+
+
+def test_each_engine_is_told_its_memory_a_cpus_being_its_kv_budget_and_weights() -> None:
+    from phasescope.engine.base import ModelDescription
+    from phasescope.serve.peaks import with_memory_capacity
+    from phasescope.telemetry.model.cost import model_cost_from_config
+
+    # 2 layers × 1 KV head × 64 × 2 × 4 bytes = 1 KiB of KV per token (the tiny model's shape).
+    config = {"hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1, "num_hidden_layers": 2}
+    cost = model_cost_from_config(config, 1_000_000, "float32")
+    assert cost.device_kv_cache_bytes_per_token == 1024
+
+    def described(on_cpu: bool) -> ModelDescription:
+        return ModelDescription(
+            "m", "/m", 1024, "float32", 100, "vllm", "0", "cpu", 1, 1, 1, cost, on_cpu, kv_cache_capacity_tokens=2048
+        )
+
+    measured = HardwarePeaks("cpu", 20e9, {"fp32": 1e11}, "measured")
+    # 2,048 tokens × 1 KiB of KV + 4 MB of weights.
+    assert with_memory_capacity(measured, described(True)).memory_bytes == 2048 * 1024 + 4_000_000
+    # A GPU with a datasheet row keeps the row's 80 GiB.
+    h100 = DATASHEET["h100-sxm"]
+    assert with_memory_capacity(h100, described(False)).memory_bytes == 80 * 2**30
