@@ -1173,8 +1173,8 @@ class EngineSnapshot(_message.Message):
     """
     kv_cache_tokens: _builtins.int
     kv_cache_sequences_fit: _builtins.float
-    """Sequences the KV cache holds at the running sequences' mean context now
-    (0 when none runs).
+    """Sequences the KV cache holds at the window's mean context (0 when nothing
+    ran in the window).
     """
     waiting_for_kv_cache: _builtins.int
     """Of `waiting`: those waiting for KV-cache blocks with a slot free, and

@@ -12,9 +12,17 @@ from phasescope.telemetry.step.records import EngineIteration, StepForwarder, St
 
 
 def logger(forward: StepForwarder) -> PhasescopeStatLogger:
-    # The engine configuration is the boundary here: only the two parts the logger reads.
-    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=100, block_size=16), speculative_config=None)
-    return PhasescopeStatLogger(config, 0, forward)  # type: ignore[arg-type]  # a stand-in for VllmConfig
+    # The engine configuration is the boundary here: only the parts the logger reads.
+    return PhasescopeStatLogger(engine_config(100), 0, forward)  # type: ignore[arg-type]  # a stand-in for VllmConfig
+
+
+def engine_config(blocks: int) -> SimpleNamespace:
+    """The cache, scheduler and speculation settings the logger reads: 16-token blocks, 8 slots, 2,048 tokens a step."""
+    return SimpleNamespace(
+        cache_config=SimpleNamespace(num_gpu_blocks=blocks, block_size=16),
+        scheduler_config=SimpleNamespace(max_num_seqs=8, max_num_batched_tokens=2048),
+        speculative_config=None,
+    )
 
 
 def scheduler_stats(ctx_requests: int, ctx_tokens: int, gen_requests: int, gen_tokens: int) -> SchedulerStats:
@@ -52,7 +60,7 @@ def test_with_data_parallel_engines_each_reads_its_own_share_of_the_summed_cache
     steps: list[StepRecord] = []
     forward = StepForwarder()
     forward.sink = steps.append
-    config = SimpleNamespace(cache_config=SimpleNamespace(num_gpu_blocks=200, block_size=16), speculative_config=None)
+    config = engine_config(200)
     make = stat_logger_factory(forward)
     loggers = [make(config, engine) for engine in (0, 1)]  # type: ignore[arg-type]  # a stand-in for VllmConfig
     loggers[1].record(scheduler_stats(0, 0, 4, 4), None, engine_idx=1)
@@ -98,3 +106,24 @@ def test_nothing_raised_inside_telemetry_reaches_vllm() -> None:
     # A stats object of an unexpected shape (vLLM calls these interfaces unstable) fails in the logger itself.
     stat_logger.record(SimpleNamespace(num_running_reqs=1), None)  # type: ignore[arg-type]  # deliberately malformed
     assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 2
+
+
+def test_why_waiting_requests_wait_is_read_from_the_step_that_left_them_waiting() -> None:
+    queued: list[tuple[int, int, int, float, int, str]] = []
+    forward = StepForwarder()
+    forward.queue_sink = lambda *report: queued.append(report)  # type: ignore[arg-type]  # records the tuple
+    log = logger(forward)
+
+    def waiting(running: int, ctx_tokens: int, deferred: int = 0) -> str:
+        stats = scheduler_stats(1, ctx_tokens, running - 1, running - 1)
+        stats.num_waiting_reqs, stats.num_skipped_waiting_reqs = 3, deferred
+        log.record(stats, None)
+        return queued[-1][-1]
+
+    # 2 of 8 slots, 301 of 2,048 tokens: what stopped the admission was the KV cache's blocks.
+    assert waiting(running=2, ctx_tokens=300) == "kv_cache"
+    assert waiting(running=8, ctx_tokens=300) == "slot"
+    assert waiting(running=2, ctx_tokens=2047) == "other"  # the budget spent (2,047 + 1 decode token)
+    # The deferred (a grammar compiling) are reported apart, as vLLM counts them.
+    waiting(running=2, ctx_tokens=300, deferred=2)
+    assert queued[-1][4] == 2

@@ -61,19 +61,13 @@ class EngineView:
     """The share of request time in the engine spent waiting, by reason, over the window."""
     preemptions: int = 0
     """Requests preempted for KV-cache blocks over the window."""
+    sequences_fit: float | None = None
+    """Sequences the cache holds at the window's mean context (None: nothing ran in the window)."""
 
     @property
     def kv_cache_tokens(self) -> int:
         """Tokens of KV cache in use now."""
         return round(self.kv_cache_usage * self.kv_cache_capacity_tokens)
-
-    @property
-    def sequences_fit(self) -> float | None:
-        """Sequences the cache holds at the running sequences' mean context now (None: none running)."""
-        used = self.kv_cache_tokens
-        if not self.running or not used:
-            return None
-        return self.kv_cache_capacity_tokens / (used / self.running)
 
 
 class StepSink:
@@ -178,6 +172,7 @@ class StepAggregator:
         length = self.window.length()
         wait_shares = self.window.wait_shares()
         preemptions = self.window.preemptions()
+        fits = self.window.sequences_fit()
         schedulers = self.window.schedulers()
         views = []
         for engine, device in devices.items():
@@ -226,6 +221,7 @@ class StepAggregator:
                     waiting_reason=self.window.waiting_reason(engine),
                     wait_shares=waits,
                     preemptions=preempted,
+                    sequences_fit=fits.get(engine),
                 )
             )
         return views

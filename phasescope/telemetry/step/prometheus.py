@@ -297,8 +297,8 @@ class StepMetrics(StepSink, Collector):
         )
         sequences_fit = GaugeMetricFamily(
             "phasescope_kv_cache_sequences_fit",
-            "Sequences the KV cache holds at the running sequences' mean context now (capacity ÷ tokens in use "
-            "per running sequence); absent when none runs.",
+            "Sequences the KV cache holds at the window's mean context: the running sequence-seconds ÷ the "
+            "cache-share-seconds they used, over the window; absent when nothing ran in it.",
             labels=["model", "engine"],
         )
         preempted = GaugeMetricFamily(

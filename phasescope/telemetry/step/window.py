@@ -117,8 +117,8 @@ class StepWindow:
         self._started = clock()
         self._lock = threading.Lock()
         self._recent: deque[_Windowed] = deque()
-        # Scheduler samples (time, engine, running, waiting, why they wait), one per stats update.
-        self._queue: deque[tuple[float, int, int, int, str]] = deque()
+        # Scheduler samples (time, engine, running, waiting, why they wait, KV-cache usage), one per stats update.
+        self._queue: deque[tuple[float, int, int, int, str, float]] = deque()
         self._scheduler: dict[int, tuple[int, int, float]] = {}
         self._reason: dict[int, str] = {}
         # Preemptions (time, engine, count), as the engine reports them.
@@ -135,7 +135,7 @@ class StepWindow:
         requests wait (`wait_reason`)."""
         now = self._clock()
         with self._lock:
-            self._queue.append((now, engine, running, waiting, reason))
+            self._queue.append((now, engine, running, waiting, reason, kv_cache_usage))
             self._scheduler[engine] = (running, waiting, kv_cache_usage)
             self._reason[engine] = reason
             self._expire(now)
@@ -187,7 +187,7 @@ class StepWindow:
         waited = {engine: dict.fromkeys(WAIT_REASONS, 0.0) for engine in range(self.engines)}
         total = dict.fromkeys(range(self.engines), 0.0)
         previous: dict[int, float] = {}
-        for at, engine, running, waiting, reason in samples:
+        for at, engine, running, waiting, reason, _ in samples:
             held = at - previous.get(engine, at)
             previous[engine] = at
             shares = waited.setdefault(engine, dict.fromkeys(WAIT_REASONS, 0.0))
@@ -196,6 +196,26 @@ class StepWindow:
         return {
             engine: {reason: value / total[engine] if total[engine] else 0.0 for reason, value in shares.items()}
             for engine, shares in waited.items()
+        }
+
+    def sequences_fit(self) -> dict[int, float | None]:
+        """Per engine: how many sequences the KV cache holds at the window's mean context — the running
+        sequence-seconds ÷ the cache-share-seconds they used (None when nothing ran in the window)."""
+        now = self._clock()
+        with self._lock:
+            self._expire(now)
+            samples = list(self._queue)
+        sequence_seconds = dict.fromkeys(range(self.engines), 0.0)
+        used = dict.fromkeys(range(self.engines), 0.0)
+        previous: dict[int, float] = {}
+        for at, engine, running, _, _, usage in samples:
+            held = at - previous.get(engine, at)
+            previous[engine] = at
+            sequence_seconds[engine] = sequence_seconds.get(engine, 0.0) + held * running
+            used[engine] = used.get(engine, 0.0) + held * usage
+        return {
+            engine: sequence_seconds[engine] / used[engine] if used[engine] > 0 and sequence_seconds[engine] else None
+            for engine in sequence_seconds
         }
 
     def schedulers(self) -> dict[int, tuple[int, int, float]]:

@@ -354,10 +354,14 @@ def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_
     waiting = {"model": "m", "engine": "0", "reason": "kv_cache"}
     assert registry.get_sample_value("phasescope_engine_waiting_requests", waiting) == 3
     assert registry.get_sample_value("phasescope_engine_waiting_requests", {**waiting, "reason": "slot"}) == 0
-    # 0.96 × 4,096 = 3,932 tokens in use by two sequences: 1,966 each, so the cache holds 2.08 of them.
+    # 0.96 × 4,096 = 3,932 tokens in use by two sequences all window: 48 % of the cache each, so it holds
+    # 2 ÷ 0.96 = 2.08 of them at the window's mean context.
     assert device(registry, "phasescope_kv_cache_capacity_tokens") == 4096
     assert device(registry, "phasescope_kv_cache_tokens") == 3932
-    assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(4096 / 1966)
+    assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(2 / 0.96)
+    # Once nothing runs, the window still remembers what the sequences used.
+    roofline.record_queue(0, running=0, waiting=0, kv_cache_usage=0.0)
+    assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(2 / 0.96)
 
 
 def test_why_a_request_waits_is_what_ended_the_steps_admission() -> None:
