@@ -15,6 +15,7 @@ gRPC and Python scheduling as engine work.
 from __future__ import annotations
 
 import logging
+import operator
 from dataclasses import dataclass
 from typing import get_args
 
@@ -129,6 +130,18 @@ def _interval(name: str, start: float, end: float) -> float | None:
     return end - start
 
 
+# The stamps a stage can open or close on, in the order `derive_phase_timings` reads them.
+_STAMP_ORDER: tuple[Stamp, ...] = (
+    "entry", "handed_to_engine", "ended", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts",
+)  # fmt: skip
+_engine_stamps = operator.attrgetter(*_STAMP_ORDER[3:])
+# Per stage: its name, where its two stamps are in that order, and whether it exists only without a first token.
+_STAGE_STAMPS = tuple(
+    (stage.name, _STAMP_ORDER.index(stage.start), _STAMP_ORDER.index(stage.end), stage.only_without_first_token)
+    for stage in STAGES
+)
+
+
 def derive_phase_timings(
     front: FrontendTimestamps,
     engine: EngineTimestamps | None,
@@ -140,14 +153,18 @@ def derive_phase_timings(
     `interference` is what other requests' prefill chunks cost this request's decode so far
     (the step aggregator's ledger, read by the request's lifecycle)."""
     first_token = engine.first_token_ts if engine is not None else 0.0
-    # Each stage is the interval between its two stamps (the table says what each holds).
-    seconds = {
-        stage.name: _interval(
-            stage.name, stamp_value(stage.start, front, engine), stamp_value(stage.end, front, engine)
-        )
-        for stage in STAGES
-        if not (stage.only_without_first_token and first_token > 0.0)
-    }
+    # Each stage is the interval between its two stamps (the table says what each holds). Every stamp
+    # is read once: this runs three times per request, on the path every request takes.
+    if engine is not None:
+        stamps = (front.entry, front.handed_to_engine, front.ended, *_engine_stamps(engine))
+    else:
+        stamps = (front.entry, front.handed_to_engine, front.ended, 0.0, 0.0, 0.0, 0.0)
+    seconds: dict[str, float | None] = {}
+    for name, start_at, end_at, only_without_first_token in _STAGE_STAMPS:
+        if only_without_first_token and first_token > 0.0:
+            continue
+        start, end = stamps[start_at], stamps[end_at]
+        seconds[name] = end - start if start > 0.0 and end >= start else _interval(name, start, end)
     decode = seconds[DECODE.name]
     # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
     # the frontend and intake stages (vLLM's own start later, at its arrival stamp).
