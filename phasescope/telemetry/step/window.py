@@ -170,16 +170,13 @@ class StepWindow:
         while self._preemptions and self._preemptions[0][0] < horizon:
             self._preemptions.popleft()
 
-    def queue_shares(self) -> dict[int, float]:
-        """Per engine: the share of request time in the engine spent waiting, over the window.
+    def wait_shares(self) -> dict[int, dict[str, float]]:
+        """Per engine and `WAIT_REASONS` reason: the share of request time in the engine spent waiting for it,
+        over the window (the reasons add up to the whole queue share).
 
         Each scheduler sample holds from the engine's previous sample to this one: waiting × that
         time is request-seconds queued, running × it request-seconds running.
         """
-        return {engine: sum(shares.values()) for engine, shares in self.wait_shares().items()}
-
-    def wait_shares(self) -> dict[int, dict[str, float]]:
-        """Per engine and `WAIT_REASONS` reason: the share of request time in the engine spent waiting for it."""
         now = self._clock()
         with self._lock:
             self._expire(now)
