@@ -16,7 +16,7 @@ from prometheus_client.metrics import MetricWrapperBase
 
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
-from phasescope.telemetry.request.stages import STAGES
+from phasescope.telemetry.request.stages import FRONTEND, INTAKE, STAGES
 
 # Request-level latency: a millisecond (the frontend stage, a queue hop) to two hours
 # (a long generation under load), like vLLM's request buckets.
@@ -31,9 +31,8 @@ _AT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.at_first_token)
 _AT_END = tuple(stage for stage in STAGES if not stage.at_first_token and not stage.only_without_first_token)
 _WITHOUT_FIRST_TOKEN = tuple(stage for stage in STAGES if stage.without_first_token)
 # The stages a request's samples share (frontend, intake) are observed once per request.
-_SHARED = frozenset({"frontend", "intake"})
-_SAMPLE_AT_FIRST_TOKEN = tuple(stage for stage in _AT_FIRST_TOKEN if stage.name not in _SHARED)
-_SAMPLE_WITHOUT_FIRST_TOKEN = tuple(stage for stage in _WITHOUT_FIRST_TOKEN if stage.name not in _SHARED)
+_SAMPLE_AT_FIRST_TOKEN = tuple(stage for stage in _AT_FIRST_TOKEN if stage not in (FRONTEND, INTAKE))
+_SAMPLE_WITHOUT_FIRST_TOKEN = tuple(stage for stage in _WITHOUT_FIRST_TOKEN if stage not in (FRONTEND, INTAKE))
 _PHASE_HELP = (
     "Time a request spent in each stage, on one monotonic clock: "
     + "; ".join(
