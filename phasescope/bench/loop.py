@@ -175,14 +175,18 @@ class Bench:
         self.plans: dict[str, dict[str, Any]] = {t.name: {"target": t.name} for t in self.targets}
 
     async def point(self, step: int, load: str, values: dict[str, float]) -> list[dict[str, Any]]:
-        """One point on each target in `values` (name → load): repeat by repeat, target by target."""
+        """One point on each target in `values` (name → load): repeat by repeat, target by target, the targets'
+        order reversed on every odd repeat (A B, B A, A B, ...). A target run straight after another meets what
+        that one left behind (its engine's processes winding down on the same CPUs, a warm or cold cache), so a
+        fixed order would charge it to the same target every time; with an even number of repeats each target
+        runs first and second equally often."""
         config = self.config
         runs: dict[str, list[dict[str, Any]]] = {name: [] for name in values}
         for repeat in range(config.repeats):
             seed = derive_seed(config.seed, step, repeat)
             requests = workload(config.workload, seed, config.warmup + config.requests)
             warmup, measured = requests[: config.warmup], requests[config.warmup :]
-            for target in self.targets:
+            for target in self.targets if repeat % 2 == 0 else reversed(self.targets):
                 if target.name not in values:
                     continue
                 if repeat == 0 and warmup:

@@ -47,8 +47,8 @@ def test_points_interleave_targets_repeat_by_repeat_with_the_same_prompts(tmp_pa
     targets = [ScriptedTarget("a", calls), ScriptedTarget("b", calls)]
     bench = Bench(config(tmp_path, "--concurrency", "1,2", "--repeats", "2"), targets)
     asyncio.run(bench.sweep())
-    # Point 1: repeat 1 on a then b, repeat 2 on a then b; then point 2 likewise.
-    assert [name for name, _ in calls] == ["a", "a", "b", "b"] * 4
+    # Point 1: repeat 1 on a then b, repeat 2 on b then a (no target always second); then point 2 likewise.
+    assert [name for name, _ in calls] == ["a", "a", "b", "b", "b", "b", "a", "a"] * 2
     runs = [calls[i : i + 4] for i in range(0, 16, 4)]
     for run in runs:
         assert [prompt for _, prompt in run[:2]] == [prompt for _, prompt in run[2:]]
