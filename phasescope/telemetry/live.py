@@ -65,6 +65,30 @@ class _Recent:
         return [value for at, value in self._values if at >= start]
 
 
+class _RecentBatches:
+    """(time, values) of one figure reported a batch at a time (an engine step's inter-token gaps), kept as one
+    entry per batch: a step costs one tuple, not one per value. The same horizon and cap as `_Recent`."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._batches: deque[tuple[float, tuple[float, ...]]] = deque()
+        self._count = 0
+
+    def extend(self, values: Iterable[float]) -> None:
+        batch = tuple(values)
+        if not batch:
+            return
+        self._batches.append((self._clock(), batch))
+        self._count += len(batch)
+        while self._count > MAX_OBSERVATIONS:
+            self._count -= len(self._batches.popleft()[1])
+
+    def since(self, start: float) -> list[float]:
+        while self._batches and self._batches[0][0] < start - 60.0:
+            self._count -= len(self._batches.popleft()[1])  # older than any window a live view asks for
+        return [value for at, batch in self._batches if at >= start for value in batch]
+
+
 class RecentLatencies(StepSink):
     """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies, and a
     sink of the engine's steps for their inter-token gaps. Thread-safe: the engine's stat logger and the
@@ -74,7 +98,7 @@ class RecentLatencies(StepSink):
         self._clock = clock
         self._lock = threading.Lock()
         self._ttft = _Recent(clock)
-        self._itl = _Recent(clock)
+        self._itl = _RecentBatches(clock)
         self._queue = _Recent(clock)
         self._prefill = _Recent(clock)
         self._decode = _Recent(clock)
@@ -93,6 +117,9 @@ class RecentLatencies(StepSink):
                 self._queue.add(timings.queue_seconds)
             if timings.prefill_seconds is not None:
                 self._prefill.add(timings.prefill_seconds)
+
+    counts_tokens = False
+    """`ObserverGroup` leaves this observer out of the per-chunk token calls: it keeps no token count."""
 
     def tokens_generated(self, model: str, count: int) -> None:
         pass

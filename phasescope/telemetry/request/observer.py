@@ -48,8 +48,11 @@ class ObserverGroup:
         """`on_error` receives each contained exception (phasescope.telemetry.errors.TelemetryErrors counts them)."""
         self._observers = tuple(observers)
         self._on_error = on_error
-        # Called for every streamed chunk: the bound methods, looked up once.
-        self._token_sinks = tuple(observer.tokens_generated for observer in self._observers)
+        # Called for every streamed chunk: the bound methods, looked up once, of the observers that count
+        # tokens (one that sets `counts_tokens = False` does nothing with them, and is not called per chunk).
+        self._token_sinks = tuple(
+            observer.tokens_generated for observer in self._observers if getattr(observer, "counts_tokens", True)
+        )
 
     def _fan_out(self, method: str, *args: object) -> None:
         for observer in self._observers:

@@ -99,6 +99,9 @@ class TracingObserver:
     def request_first_token(self, record: FirstTokenRecord) -> None:
         """The request span carries the first token as an event when it ends."""
 
+    counts_tokens = False
+    """`ObserverGroup` leaves this observer out of the per-chunk token calls (the span gets its counts at the end)."""
+
     def tokens_generated(self, model: str, count: int) -> None:
         """Token counts are on the request span."""
 

@@ -145,10 +145,17 @@ class StepMetrics(StepSink, Collector):
         # Labelled children by engine (and phase), looked up once: record() runs for every engine step.
         self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
         self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
+        self._step_children: dict[tuple[int, str], Counter] = {}
+        # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
+        self._last_queue: dict[int, tuple[int, int, float, int]] = {}
         registry.register(self)
         steps.add_sink(self)
 
     def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
+        state = (running, waiting, kv_cache_usage, deferred)
+        if self._last_queue.get(engine) == state:
+            return
+        self._last_queue[engine] = state
         children = self._queue_children.get(engine)
         if children is None:
             labels = (self._model, str(engine))
@@ -182,7 +189,11 @@ class StepMetrics(StepSink, Collector):
         return children
 
     def step(self, step: StepRecord, cost: StepCost) -> None:
-        self.steps.labels(self._model, str(step.engine), step.kind).inc()
+        kind = step.kind
+        counter = self._step_children.get((step.engine, kind))
+        if counter is None:
+            counter = self._step_children[(step.engine, kind)] = self.steps.labels(self._model, str(step.engine), kind)
+        counter.inc()
         for phase, share in cost.shares.items():
             if share.tokens == 0:
                 continue

@@ -39,3 +39,20 @@ def test_the_window_keeps_only_its_last_seconds() -> None:
     assert figures.inter_token_samples == 4
     assert figures.inter_token_p50 == pytest.approx(0.25)
     assert figures.inter_token_p99 == pytest.approx(0.397)
+
+
+def test_a_busy_engine_keeps_at_most_the_cap_of_inter_token_gaps_dropping_the_oldest(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import phasescope.telemetry.live as live
+
+    monkeypatch.setattr(live, "MAX_OBSERVATIONS", 10)
+    clock = Clock()
+    recent = RecentLatencies(clock)
+    recent.iteration(EngineIteration(0, [9.0] * 6, 0))  # the oldest step's gaps: dropped whole
+    recent.iteration(EngineIteration(0, [], 0))  # a step with no decode keeps nothing
+    recent.iteration(EngineIteration(0, [1.0] * 4, 0))
+    recent.iteration(EngineIteration(0, [2.0] * 4, 0))
+    figures = recent.figures(window_seconds=10.0)
+    assert figures.inter_token_samples == 8
+    assert figures.inter_token_p99 == pytest.approx(2.0)
