@@ -275,7 +275,20 @@ class GatewayProcess(ManagedProcess):
         with urllib.request.urlopen(f"{self.url}/v1/models", timeout=5) as response:
             return [model["id"] for model in json.loads(response.read())["data"]]
 
+    def tokenizers(self) -> list[str]:
+        """The names of the tokenizers the gateway holds (/v1/tokenizers): a registered worker's model gets one
+        named after it, beside the one --tokenizer-path loads under its path."""
+        with urllib.request.urlopen(f"{self.url}/v1/tokenizers", timeout=5) as response:
+            return [tokenizer["name"] for tokenizer in json.loads(response.read())["tokenizers"]]
+
     def wait_ready(self, timeout: float = 120.0) -> None:
-        """Until a worker registered (health, model info and server info answered)."""
-        self.wait_until(lambda: bool(self.models()), "smg gateway", timeout=timeout, poll_seconds=0.5)
+        """Until a worker registered (health, model info and server info answered) and each model the gateway
+        lists has its tokenizer: smg lists a model a few tens of milliseconds before its tokenizer is registered,
+        and answers 503 (tokenizer_not_ready) to requests for it in between."""
+
+        def ready() -> bool:
+            models = self.models()
+            return bool(models) and set(models) <= set(self.tokenizers())
+
+        self.wait_until(ready, "smg gateway", timeout=timeout, poll_seconds=0.1)
         self.ready_at = time.monotonic()

@@ -46,8 +46,10 @@ def gateway(
 
 
 @pytest.fixture
-def openai_client(gateway: GatewayProcess) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0)
+def openai_client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
+    # Closed after the test: an unclosed client's sockets are collected later, in another test, as a warning.
+    with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
+        yield client
 
 
 def stub(server: ServerProcess) -> tuple[grpc.Channel, Any]:
@@ -215,18 +217,18 @@ def test_two_workers_share_the_load_and_one_stopping_mid_run_leaves_the_other_se
     workers = [start_server("--model", str(model), "--served-model-name", TINY_MODEL_NAME) for _ in range(2)]
     with GatewayProcess([w.address for w in workers], model, tmp_path / "smg.log") as gateway:
         gateway.wait_ready()
-        client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0)
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
 
-        def complete() -> None:
-            answer = client.completions.create(model=TINY_MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0)
-            assert answer.choices[0].finish_reason == "length"
+            def complete() -> None:
+                answer = client.completions.create(model=TINY_MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0)
+                assert answer.choices[0].finish_reason == "length"
 
-        for _ in range(6):
-            complete()
-        served = [w.sample_sum("phasescope_requests_total", code="OK") for w in workers]
-        assert all(count >= 1 for count in served), f"round robin reached one worker only: {served}"
-        # One worker drains and exits mid-run; every later request is still answered, by the other.
-        workers[0].stop()
-        for _ in range(6):
-            complete()
-        assert workers[1].sample_sum("phasescope_requests_total", code="OK") == served[1] + 6
+            for _ in range(6):
+                complete()
+            served = [w.sample_sum("phasescope_requests_total", code="OK") for w in workers]
+            assert all(count >= 1 for count in served), f"round robin reached one worker only: {served}"
+            # One worker drains and exits mid-run; every later request is still answered, by the other.
+            workers[0].stop()
+            for _ in range(6):
+                complete()
+            assert workers[1].sample_sum("phasescope_requests_total", code="OK") == served[1] + 6
