@@ -46,33 +46,17 @@ class LatencyFigures:
 
 
 class _Recent:
-    """(time, value) pairs of one figure, dropped after `horizon` seconds or beyond the cap."""
-
-    def __init__(self, clock: Callable[[], float]) -> None:
-        self._clock = clock
-        self._values: deque[tuple[float, float]] = deque(maxlen=MAX_OBSERVATIONS)
-
-    def add(self, value: float) -> None:
-        self._values.append((self._clock(), value))
-
-    def extend(self, values: Iterable[float]) -> None:
-        now = self._clock()
-        self._values.extend((now, value) for value in values)
-
-    def since(self, start: float) -> list[float]:
-        while self._values and self._values[0][0] < start - 60.0:
-            self._values.popleft()  # older than any window a live view asks for
-        return [value for at, value in self._values if at >= start]
-
-
-class _RecentBatches:
-    """(time, values) of one figure reported a batch at a time (an engine step's inter-token gaps), kept as one
-    entry per batch: a step costs one tuple, not one per value. The same horizon and cap as `_Recent`."""
+    """(time, values) of one figure, dropped after `horizon` seconds or beyond the cap (`MAX_OBSERVATIONS`
+    values, the oldest first). Kept as one entry per report: an engine step's inter-token gaps cost one
+    tuple, not one per gap."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
         self._batches: deque[tuple[float, tuple[float, ...]]] = deque()
         self._count = 0
+
+    def add(self, value: float) -> None:
+        self.extend((value,))
 
     def extend(self, values: Iterable[float]) -> None:
         batch = tuple(values)
@@ -98,7 +82,7 @@ class RecentLatencies(StepSink):
         self._clock = clock
         self._lock = threading.Lock()
         self._ttft = _Recent(clock)
-        self._itl = _RecentBatches(clock)
+        self._itl = _Recent(clock)
         self._queue = _Recent(clock)
         self._prefill = _Recent(clock)
         self._decode = _Recent(clock)
