@@ -3,7 +3,8 @@
 Everything protocol-independent (admission, the stages, the first-token and phase records,
 rejection counts) is the hallway's: `phasescope.serve.lifecycle`. The servicer never
 touches Prometheus or tracing. Exceptions leave through
-`phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status table.
+`phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status table (GenerateStream
+applies it itself, `status_on_error`, so its chunks cross no wrapper generator).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from phasescope.engine.base import Engine, EngineStep, TokenLogprob
 from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
+from phasescope.serve.interceptors import maps_own_errors, status_on_error
 from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
 from phasescope.serve.timings import timings_message
 from phasescope.serve.validation import (
@@ -175,10 +177,12 @@ class InferenceServicer:
         lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text)
         return steps, request_id
 
+    @maps_own_errors
     async def GenerateStream(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
-        async with aclosing(self._run(request, context, streaming=True)) as chunks:
+        # The status mapping is here, not in an interceptor's wrapper: each chunk crosses one generator fewer.
+        async with status_on_error(context), aclosing(self._run(request, context, streaming=True)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

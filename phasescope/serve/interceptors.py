@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncGenerator, Awaitable, Callable
-from typing import Any
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
 
 import grpc
 
@@ -17,6 +18,7 @@ logger = logging.getLogger(__name__)
 _Context = grpc.aio.ServicerContext[Any, Any]
 _UnaryBehaviour = Callable[[Any, _Context], Awaitable[Any]]
 _StreamBehaviour = Callable[[Any, _Context], AsyncGenerator[Any, None]]
+_Behaviour = TypeVar("_Behaviour", bound=Callable[..., Any])
 
 
 async def _abort_with_status(context: _Context, exc: Exception) -> None:
@@ -30,11 +32,31 @@ async def _abort_with_status(context: _Context, exc: Exception) -> None:
     await context.abort(code, details)
 
 
+@asynccontextmanager
+async def status_on_error(context: _Context) -> AsyncIterator[None]:
+    """What the interceptor does for a handler, done inside it: an exception raised in the block ends the RPC
+    with its mapped status. A streaming handler that opens this around its whole body and is marked
+    `maps_own_errors` is not wrapped, so its messages cross no second generator on their way to gRPC."""
+    try:
+        yield
+    except grpc.aio.AbortError:
+        raise
+    except Exception as exc:
+        await _abort_with_status(context, exc)
+
+
+def maps_own_errors(behaviour: _Behaviour) -> _Behaviour:
+    """Marks a streaming handler whose body runs inside `status_on_error` (the interceptor leaves it as it is)."""
+    behaviour.maps_own_errors = True  # type: ignore[attr-defined]  # a marker read back with getattr
+    return behaviour
+
+
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     """Every exception a handler raises ends its RPC with the mapped status; the server keeps serving.
 
     Only the services named in `services` are wrapped: the standard health and
-    reflection services map their own errors.
+    reflection services map their own errors, and so do streaming handlers marked
+    `maps_own_errors` (each message of a wrapped stream costs one more generator step).
     """
 
     def __init__(self, services: tuple[str, ...]) -> None:
@@ -51,6 +73,8 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return with_behaviour(handler, _map_unary(handler.unary_unary))
         if handler.unary_stream is not None:
+            if getattr(handler.unary_stream, "maps_own_errors", False):
+                return handler
             return with_behaviour(handler, _map_stream(handler.unary_stream))
         return handler
 

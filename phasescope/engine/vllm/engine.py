@@ -398,61 +398,76 @@ class VllmEngine:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
 
+        llm = self._llm
+        collector: Any = None
         try:
             # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
             # rendered prompts are, instead of a second hop through its renderer's thread pool
             # (the text was already tokenised off the loop, phasescope.serve.lifecycle.tokenize_off_loop).
-            # aclosing: when our caller closes this generator, vLLM's is closed at
-            # once too, and its GeneratorExit handler aborts the engine request.
-            async with aclosing(
-                self._llm.generate({"type": "token", "prompt_token_ids": prompt_token_ids}, params, request_id)
-            ) as outputs:
-                engine_index: int | None = None
-                async for output in outputs:
-                    completion = output.outputs[0]
-                    if completion.finish_reason == "abort" and request_id not in self._aborting:
-                        # A client that went away closes this generator, which never comes back
-                        # as an output; an abort not asked for here came from the engine, which
-                        # does that when an engine core stops.
-                        raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
-                    stats = output.metrics
-                    stamps = None
-                    if stats is not None:
-                        stamps = EngineTimestamps(
-                            queued_ts=stats.queued_ts,
-                            scheduled_ts=stats.scheduled_ts,
-                            first_token_ts=stats.first_token_ts,
-                            last_token_ts=stats.last_token_ts,
-                        )
-                    if engine_index is None:
-                        # Which engine core serves it is known once the request reached one.
-                        engine_index = self._engine_index(request_id)
-                    yield EngineStep(
-                        text=completion.text,
-                        token_ids=tuple(completion.token_ids),
-                        finished=output.finished,
-                        finish_reason=completion.finish_reason,
-                        completion_tokens=stats.num_generation_tokens if stats is not None else 0,
-                        cached_prompt_tokens=output.num_cached_tokens or 0,
-                        stamps=stamps,
-                        engine_index=engine_index,
-                        stop_reason=completion.stop_reason,
-                        logprobs=_token_logprobs(completion.token_ids, completion.logprobs, logprobs)
-                        if logprobs is not None
-                        else (),
-                        # vLLM sends the prompt's with the first output: position 0 (None) has nothing before it.
-                        prompt_logprobs=_token_logprobs(
-                            prompt_token_ids[1:], output.prompt_logprobs[1:], prompt_logprobs
-                        )
-                        if prompt_logprobs is not None and output.prompt_logprobs
-                        else (),
+            # Its outputs are read from the request's collector here, as `AsyncLLM.generate` reads them:
+            # that generator would be one more step around every output of every request.
+            prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
+            collector = await llm.add_request(request_id, prompt, params)
+            engine_index: int | None = None
+            finished = False
+            while not finished:
+                # Drained without waiting when an output is there already (vLLM's own loop does the same).
+                output = collector.get_nowait() or await collector.get()
+                finished = output.finished
+                completion = output.outputs[0]
+                if completion.finish_reason == "abort" and request_id not in self._aborting:
+                    # A client that went away closes this generator, which never comes back
+                    # as an output; an abort not asked for here came from the engine, which
+                    # does that when an engine core stops.
+                    raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
+                stats = output.metrics
+                stamps = None
+                if stats is not None:
+                    stamps = EngineTimestamps(
+                        queued_ts=stats.queued_ts,
+                        scheduled_ts=stats.scheduled_ts,
+                        first_token_ts=stats.first_token_ts,
+                        last_token_ts=stats.last_token_ts,
                     )
+                if engine_index is None:
+                    # Which engine core serves it is known once the request reached one.
+                    engine_index = self._engine_index(request_id)
+                yield EngineStep(
+                    text=completion.text,
+                    token_ids=tuple(completion.token_ids),
+                    finished=output.finished,
+                    finish_reason=completion.finish_reason,
+                    completion_tokens=stats.num_generation_tokens if stats is not None else 0,
+                    cached_prompt_tokens=output.num_cached_tokens or 0,
+                    stamps=stamps,
+                    engine_index=engine_index,
+                    stop_reason=completion.stop_reason,
+                    logprobs=_token_logprobs(completion.token_ids, completion.logprobs, logprobs)
+                    if logprobs is not None
+                    else (),
+                    # vLLM sends the prompt's with the first output: position 0 (None) has nothing before it.
+                    prompt_logprobs=_token_logprobs(prompt_token_ids[1:], output.prompt_logprobs[1:], prompt_logprobs)
+                    if prompt_logprobs is not None and output.prompt_logprobs
+                    else (),
+                )
+        except (asyncio.CancelledError, GeneratorExit):
+            # Our caller closed these steps (a client gone, a sample failed) or was cancelled: the engine
+            # drops the request now, as `AsyncLLM.generate` does when it is closed.
+            if collector is not None:
+                await llm.abort(collector.request_id, internal=True)
+            raise
         except EngineDeadError as exc:
             raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
         except VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or unnamed, str(exc)) from exc
+        except Exception:
+            if collector is not None:
+                await llm.abort(collector.request_id, internal=True)
+            raise
         finally:
             self._aborting.discard(request_id)
+            if collector is not None:
+                collector.close()
 
     def _engine_index(self, request_id: str) -> int:
         """The data-parallel engine core serving a request (vLLM's client keeps the choice by request)."""

@@ -33,6 +33,7 @@ from phasescope.errors import InvalidRequestError, NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import scheduler_loads
 from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
+from phasescope.serve.interceptors import maps_own_errors, status_on_error
 from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder, truncate_prompt
@@ -73,13 +74,15 @@ class VllmEngineServicer:
             if not engine_ids:
                 del self._engine_ids[request_id]
 
+    @maps_own_errors
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
         path = self._path
         self._last_receive = time.time()
         streaming = not isinstance(request, UndecodableRequest) and request.stream
-        async with path.begin(streaming, context) as lifecycle:
+        # The status mapping is here, not in an interceptor's wrapper: each message crosses one generator.
+        async with status_on_error(context), path.begin(streaming, context) as lifecycle:
             engine = path.ready_engine()
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from phasescope.errors import InvalidRequestError, OverloadedError
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.interceptors import ExceptionToStatusInterceptor, maps_own_errors, status_on_error
 
 SERVICE = "test.Echo"
 
@@ -31,6 +31,17 @@ async def stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
     yield b"second"
 
 
+@maps_own_errors
+async def own_stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
+    async with status_on_error(context):
+        yield b"first"
+        if request == b"overload":
+            raise OverloadedError("full")
+        if request == b"bug":
+            raise RuntimeError("secret internals")
+        yield b"second"
+
+
 async def start_server() -> tuple[grpc.aio.Server, str]:
     server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE,))])
     server.add_generic_rpc_handlers(
@@ -40,6 +51,7 @@ async def start_server() -> tuple[grpc.aio.Server, str]:
                 {
                     "Unary": grpc.unary_unary_rpc_method_handler(unary),
                     "Stream": grpc.unary_stream_rpc_method_handler(stream),
+                    "OwnStream": grpc.unary_stream_rpc_method_handler(own_stream),
                 },
             ),
         )
@@ -65,8 +77,8 @@ async def call_unary(channel: grpc.aio.Channel, payload: bytes) -> bytes:
     return result
 
 
-async def call_stream(channel: grpc.aio.Channel, payload: bytes) -> list[bytes]:
-    method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/Stream")
+async def call_stream(channel: grpc.aio.Channel, payload: bytes, name: str = "Stream") -> list[bytes]:
+    method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/{name}")
     return [chunk async for chunk in method(payload)]
 
 
@@ -116,4 +128,30 @@ def test_stream_error_after_chunks_ends_the_stream_with_the_status() -> None:
     chunks, error, after = asyncio.run(scenario())
     assert chunks == [b"first"]
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert after == [b"first", b"second"]
+
+
+def test_a_stream_mapping_its_own_errors_is_left_unwrapped_and_ends_with_the_same_statuses() -> None:
+    async def scenario() -> tuple[grpc.RpcMethodHandler[Any, Any] | None, list[grpc.aio.AioRpcError], list[bytes]]:
+        handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_stream_rpc_method_handler(own_stream)
+
+        async def continuation(details: grpc.HandlerCallDetails) -> grpc.RpcMethodHandler[Any, Any]:
+            return handler
+
+        details: Any = type("Details", (), {"method": f"/{SERVICE}/OwnStream", "invocation_metadata": ()})()
+        seen = await ExceptionToStatusInterceptor((SERVICE,)).intercept_service(continuation, details)
+        errors = []
+        async with served() as channel:
+            for payload in (b"overload", b"bug"):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await call_stream(channel, payload, "OwnStream")
+                errors.append(caught.value)
+            return (seen if seen is handler else None), errors, await call_stream(channel, b"ok", "OwnStream")
+
+    unwrapped, (overloaded, bug), after = asyncio.run(scenario())
+    # The interceptor hands the handler back as it is: no wrapper generator between its messages and gRPC.
+    assert unwrapped is not None
+    assert overloaded.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert bug.code() is grpc.StatusCode.INTERNAL
+    assert "secret" not in (bug.details() or "")
     assert after == [b"first", b"second"]
