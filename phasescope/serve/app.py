@@ -53,6 +53,9 @@ from phasescope.telemetry.step.verdict import HeadroomLimits
 logger = logging.getLogger(__name__)
 
 ENGINE_WATCH_INTERVAL_SECONDS = 1.0
+# The engine's step reports handed on together (about 32 steps: a step makes up to three); every reader
+# (a scrape, WatchTelemetry, GetLoads) hands on what is held before it reads (StepAggregator).
+STEP_REPORT_BATCH = 96
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # gRPC allows 4 MiB requests by default; a context window of text fits easily.
 MAX_MESSAGE_BYTES = 16 * 2**20
@@ -224,6 +227,8 @@ class Server:
                 cost_per_hour=engine_cost_per_hour(settings, description),
                 sinks=(recent,),
                 kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
+                batch_reports=STEP_REPORT_BATCH,
+                on_error=telemetry_errors,
             )
             StepMetrics(model_name, aggregated, self.registry)
             request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
@@ -388,6 +393,7 @@ class LiveTelemetry:
         return self._steps.views()
 
     def latencies(self, window_seconds: float) -> LatencyFigures:
+        self._steps.flush_reports()  # the inter-token gaps of the steps it holds
         return self._recent.figures(window_seconds)
 
     @property

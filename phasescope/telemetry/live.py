@@ -58,11 +58,12 @@ class _Recent:
     def add(self, value: float) -> None:
         self.extend((value,))
 
-    def extend(self, values: Iterable[float]) -> None:
+    def extend(self, values: Iterable[float], at: float | None = None) -> None:
+        """Values observed at `at` (None: now), on this keeper's clock."""
         batch = tuple(values)
         if not batch:
             return
-        self._batches.append((self._clock(), batch))
+        self._batches.append((self._clock() if at is None else at, batch))
         self._count += len(batch)
         while self._count > MAX_OBSERVATIONS:
             self._count -= len(self._batches.popleft()[1])
@@ -121,10 +122,10 @@ class RecentLatencies(StepSink):
         with self._lock:
             self.rejected += 1
 
-    def iteration(self, iteration: EngineIteration) -> None:
-        """The engine's inter-token gaps of one output batch."""
+    def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
+        """The engine's inter-token gaps of one output batch, reported at `at` (None: now)."""
         with self._lock:
-            self._itl.extend(iteration.inter_token_seconds)
+            self._itl.extend(iteration.inter_token_seconds, at)
 
     def figures(self, window_seconds: float) -> LatencyFigures:
         start = self._clock() - window_seconds

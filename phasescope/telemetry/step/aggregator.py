@@ -8,10 +8,17 @@ interference totals a request reads for its own decode. Sinks (the Prometheus ex
 each report with the attribution already made (`StepSink`, whose methods do nothing by default);
 live readers (WatchTelemetry, `top`) and the Prometheus gauges read the views. Removing a sink
 changes nothing else.
+
+With `batch_reports` above 1 the reports are held, each stamped with its time, and handed on
+together (the same code run for 32 steps in a row costs the front end half as much per step as
+when it runs between the output processor's passes). Every reader sees them all: `views` and
+`flush_reports` deliver what is held first. The interference ledger is not held: a request reads
+its totals at every step, and a step costs it a few dictionary updates.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -76,8 +83,8 @@ class StepSink:
     def step(self, step: StepRecord, cost: StepCost) -> None:
         """One engine step, with its attribution to the phases."""
 
-    def iteration(self, iteration: EngineIteration) -> None:
-        """One output batch's inter-token gaps and preemptions."""
+    def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
+        """One output batch's inter-token gaps and preemptions, reported at `at` (None: now)."""
 
     def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
         """The engine's scheduler state at a stats update."""
@@ -103,9 +110,12 @@ class StepAggregator:
         cost_per_hour: float | None = None,
         sinks: Iterable[StepSink] = (),
         kv_cache_capacity_tokens: int = 0,
+        batch_reports: int = 1,
+        on_error: Callable[[str, BaseException], None] = lambda component, exc: None,
     ) -> None:
         """`cost_per_hour` is each engine's price (None: no cost figures); `kv_cache_capacity_tokens` its KV
-        cache's size (0: unknown)."""
+        cache's size (0: unknown). `batch_reports`: how many reports are held before they are handed on
+        (1: each at once); a held report that fails to aggregate goes to `on_error`."""
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
@@ -118,6 +128,14 @@ class StepAggregator:
         )
         self.interference = InterferenceLedger()
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
+        self._clock = clock
+        self._batch = max(1, batch_reports)
+        self._on_error = on_error
+        # Held reports (how to deliver it, when it was made, what it said), in the order they came.
+        self._held: list[tuple[Callable[..., None], float, tuple[object, ...]]] = []
+        self._held_lock = threading.Lock()
+        # One delivery at a time (the engine's thread, a scrape's, a watcher's), in order.
+        self._delivery = threading.Lock()
 
     def add_sink(self, sink: StepSink) -> None:
         self._sinks = (*self._sinks, sink)
@@ -131,17 +149,22 @@ class StepAggregator:
         return self.peaks.peak_flops(self.dtype)
 
     def record(self, step: StepRecord) -> None:
-        cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
-        self.window.add(step, cost)
-        self.interference.record(step, cost.shares["decode"].seconds)
-        for sink in self._sinks:
-            sink.step(step, cost)
+        if self._batch == 1:
+            self._record(step, ledger=True)
+            return
+        # The ledger now: the requests whose tokens this step made read its totals next.
+        decode_share = 0.0
+        if not self.interference.has_reference(step.engine) and step.kind == "mixed":
+            cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+            decode_share = cost.shares["decode"].seconds
+        self.interference.record(step, decode_share)
+        self._hold(self._record, (step,))
 
     def record_iteration(self, iteration: EngineIteration) -> None:
-        if iteration.preemptions:
-            self.window.add_preemptions(iteration.engine, iteration.preemptions)
-        for sink in self._sinks:
-            sink.iteration(iteration)
+        if self._batch == 1:
+            self._record_iteration(iteration)
+        else:
+            self._hold(self._record_iteration, (iteration,))
 
     def record_queue(
         self,
@@ -152,7 +175,57 @@ class StepAggregator:
         deferred: int = 0,
         reason: str = "other",
     ) -> None:
-        self.window.add_queue(engine, running, waiting, kv_cache_usage, reason)
+        report = (engine, running, waiting, kv_cache_usage, deferred, reason)
+        if self._batch == 1:
+            self._record_queue(*report)
+        else:
+            self._hold(self._record_queue, report)
+
+    def _hold(self, deliver: Callable[..., None], report: tuple[object, ...]) -> None:
+        with self._held_lock:
+            self._held.append((deliver, self._clock(), report))
+            full = len(self._held) >= self._batch
+        if full:
+            self.flush_reports()
+
+    def flush_reports(self) -> None:
+        """Hand on every held report, in order, each at the time it was made (readers call this first)."""
+        with self._delivery:
+            with self._held_lock:
+                held, self._held = self._held, []
+            for deliver, at, report in held:
+                try:
+                    deliver(*report, at=at)
+                except Exception as exc:  # a report that cannot be aggregated costs that report only
+                    self._on_error("step", exc)
+
+    def _record(self, step: StepRecord, at: float | None = None, *, ledger: bool = False) -> None:
+        """A step made at `at` (None: now); `ledger`: its interference entry too (a held step's was made
+        when it came)."""
+        cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        self.window.add(step, cost, at)
+        if ledger:
+            self.interference.record(step, cost.shares["decode"].seconds)
+        for sink in self._sinks:
+            sink.step(step, cost)
+
+    def _record_iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
+        if iteration.preemptions:
+            self.window.add_preemptions(iteration.engine, iteration.preemptions, at)
+        for sink in self._sinks:
+            sink.iteration(iteration, at)
+
+    def _record_queue(
+        self,
+        engine: int,
+        running: int,
+        waiting: int,
+        kv_cache_usage: float,
+        deferred: int = 0,
+        reason: str = "other",
+        at: float | None = None,
+    ) -> None:
+        self.window.add_queue(engine, running, waiting, kv_cache_usage, reason, at)
         for sink in self._sinks:
             sink.queue(engine, running, waiting, kv_cache_usage, deferred)
 
@@ -162,6 +235,7 @@ class StepAggregator:
 
     def views(self) -> tuple[float, list[EngineView]]:
         """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
+        self.flush_reports()
         phases, devices = self.window.figures()
         return self.window.length(), self.views_of(phases, devices)
 

@@ -70,6 +70,11 @@ class InterferenceLedger:
                 total.extra_seconds + max(0.0, step.elapsed_seconds - alone),
             )
 
+    def has_reference(self, engine: int) -> bool:
+        """Whether the engine has had a decode-only step (until then a mixed step's `decode_share_seconds`
+        stands in for one)."""
+        return bool(self._decode_only.get(engine))
+
     def read(self, engine: int) -> Interference:
         """The engine's running totals; the same object until its next mixed step (read once per request
         per output pass, so it takes no lock: `record` replaces the totals whole, never mutates them)."""

@@ -55,11 +55,25 @@ def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
             buckets[index].inc(count)
 
 
+class _HeldReportsFirst(Collector):
+    """Collects nothing: hands on the step reports the aggregator holds (`batch_reports`), so the counters and
+    gauges that a scrape collects after it count every step so far."""
+
+    def __init__(self, steps: StepAggregator) -> None:
+        self._steps = steps
+
+    def collect(self) -> Iterator[Metric]:
+        self._steps.flush_reports()
+        return iter(())
+
+
 class StepMetrics(StepSink, Collector):
     """The aggregated steps as Prometheus series: counters as each report arrives, the window's
     gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
     def __init__(self, model: str, steps: StepAggregator, registry: CollectorRegistry) -> None:
+        # Before the counters below: a scrape collects in registration order, and hands on what is held first.
+        registry.register(_HeldReportsFirst(steps))
         self._model = model
         self._steps = steps
         self._peaks = steps.peaks
@@ -170,7 +184,7 @@ class StepMetrics(StepSink, Collector):
         children[2].set(kv_cache_usage)
         children[3].set(deferred)
 
-    def iteration(self, iteration: EngineIteration) -> None:
+    def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
             self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
@@ -205,6 +219,7 @@ class StepMetrics(StepSink, Collector):
             tokens.inc(share.tokens)
 
     def collect(self) -> Iterator[Metric]:
+        self._steps.flush_reports()
         window_of_steps = self._steps.window
         phases, devices = window_of_steps.figures()
         window = f"over the last {window_of_steps.window_seconds:g} s of engine steps"

@@ -124,25 +124,34 @@ class StepWindow:
         # Preemptions (time, engine, count), as the engine reports them.
         self._preemptions: deque[tuple[float, int, int]] = deque()
 
-    def add(self, step: StepRecord, cost: StepCost) -> None:
-        now = self._clock()
+    def add(self, step: StepRecord, cost: StepCost, at: float | None = None) -> None:
+        """A step that ended at `at` (None: now), on this window's clock."""
+        now = self._clock() if at is None else at
         with self._lock:
             self._recent.append(_Windowed(now, step.elapsed_seconds, step.engine, cost, step))
             self._expire(now)
 
-    def add_queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, reason: str = "other") -> None:
-        """The engine's scheduler state at a stats update (every step, and after aborts), and why its waiting
-        requests wait (`wait_reason`)."""
-        now = self._clock()
+    def add_queue(
+        self,
+        engine: int,
+        running: int,
+        waiting: int,
+        kv_cache_usage: float,
+        reason: str = "other",
+        at: float | None = None,
+    ) -> None:
+        """The engine's scheduler state at a stats update (every step, and after aborts) made at `at` (None:
+        now), and why its waiting requests wait (`wait_reason`)."""
+        now = self._clock() if at is None else at
         with self._lock:
             self._queue.append((now, engine, running, waiting, reason, kv_cache_usage))
             self._scheduler[engine] = (running, waiting, kv_cache_usage)
             self._reason[engine] = reason
             self._expire(now)
 
-    def add_preemptions(self, engine: int, count: int) -> None:
-        """Requests the engine preempted for KV-cache blocks in one output batch."""
-        now = self._clock()
+    def add_preemptions(self, engine: int, count: int, at: float | None = None) -> None:
+        """Requests the engine preempted for KV-cache blocks in one output batch (at `at`; None: now)."""
+        now = self._clock() if at is None else at
         with self._lock:
             self._preemptions.append((now, engine, count))
             self._expire(now)

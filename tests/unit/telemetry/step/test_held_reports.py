@@ -1,0 +1,150 @@
+"""The aggregator holding the engine's step reports (`batch_reports`): every reader sees what it would
+have seen had each report been handed on as it came."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.live import RecentLatencies
+from phasescope.telemetry.model.cost import model_cost_from_config
+from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
+from phasescope.telemetry.step.attribution import StepCost
+from phasescope.telemetry.step.interference import Interference
+from phasescope.telemetry.step.prometheus import StepMetrics
+from phasescope.telemetry.step.records import EngineIteration, StepRecord
+
+PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
+COST = model_cost_from_config(
+    {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2},
+    parameter_count=1_000_000,
+    dtype="float32",
+)
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def served(clock: FakeClock, batch: int) -> tuple[StepAggregator, CollectorRegistry, RecentLatencies]:
+    recent = RecentLatencies(clock)
+    aggregator = StepAggregator(
+        COST, "float32", PEAKS, window_seconds=10.0, clock=clock, sinks=(recent,), batch_reports=batch
+    )
+    registry = CollectorRegistry()
+    StepMetrics("m", aggregator, registry)
+    return aggregator, registry, recent
+
+
+def exposition(registry: CollectorRegistry) -> list[str]:
+    """A scrape's lines, less the `_created` ones (wall-clock instants the server leaves out)."""
+    return [line for line in generate_latest(registry).decode().splitlines() if "_created" not in line]
+
+
+QueueSample = tuple[int, int, float]
+"""Running, waiting and KV-cache usage."""
+
+
+def engine_reports(seed: int) -> list[tuple[float, StepRecord | EngineIteration | QueueSample]]:
+    """A seeded run of an engine: decode and mixed steps, queue samples and output batches, each after a pause."""
+    rng = random.Random(seed)
+    reports: list[tuple[float, StepRecord | EngineIteration | QueueSample]] = []
+    for _ in range(300):
+        batch = rng.randint(1, 16)
+        chunk = rng.choice([0, 0, 0, 200])
+        gaps = tuple(rng.uniform(0.01, 0.05) for _ in range(batch))
+        reports.append((rng.uniform(0.005, 0.08), EngineIteration(0, gaps, 0)))
+        reports.append((0.0, (batch, rng.randint(0, 3), rng.uniform(0.0, 0.5))))
+        reports.append((0.0, StepRecord(0, int(chunk > 0), chunk, batch, batch, rng.uniform(0.01, 0.06))))
+    return reports
+
+
+def report_to(aggregator: StepAggregator, report: StepRecord | EngineIteration | QueueSample) -> None:
+    if isinstance(report, StepRecord):
+        aggregator.record(report)
+    elif isinstance(report, EngineIteration):
+        aggregator.record_iteration(report)
+    else:
+        running, waiting, usage = report
+        aggregator.record_queue(0, running, waiting, usage)
+
+
+def test_held_reports_read_exactly_as_reports_handed_on_at_once() -> None:
+    clocks = FakeClock(), FakeClock()
+    at_once, held = served(clocks[0], 1), served(clocks[1], 96)
+    interference: list[tuple[Interference, Interference]] = []
+    for pause, report in engine_reports(seed=7):
+        for clock in clocks:
+            clock.now += pause
+        report_to(at_once[0], report)
+        report_to(held[0], report)
+        # A request reads the interference totals at each of its steps: they never wait for a flush.
+        interference.append((at_once[0].read_interference(0), held[0].read_interference(0)))
+    assert all(a == b for a, b in interference)
+    assert interference[-1][0].stalled_seconds > 0  # the run had mixed steps
+    # The run ends with reports still held (300 steps make 900 reports, not a multiple of 96).
+    # Readers hand them on first: the scrape (counters, gauges, verdicts), the views and the live latencies.
+    assert exposition(held[1]) == exposition(at_once[1])
+    assert held[0].views() == at_once[0].views()
+    assert held[2].figures(5.0) == at_once[2].figures(5.0)
+
+
+def test_a_report_held_long_counts_at_the_time_it_was_made() -> None:
+    clock = FakeClock()
+    aggregator, registry, recent = served(clock, 96)
+    aggregator.record_iteration(EngineIteration(0, (0.02, 0.03), 0))
+    aggregator.record(StepRecord(0, 0, 0, 2, 2, 0.05))
+    # The engine goes quiet; the next reader comes after the window has passed.
+    clock.now += 30.0
+    _, views = aggregator.views()
+    # The step is counted since start, but it is not in the window of the last 10 s, nor its gaps in the live view.
+    assert (
+        registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "decode"}) == 1
+    )
+    assert views[0].phases["decode"].figures.tokens_per_second == 0
+    assert recent.figures(10.0).inter_token_samples == 0
+    assert recent.figures(60.0).inter_token_samples == 2
+
+
+def test_a_held_report_that_fails_costs_that_report_only() -> None:
+    failures: list[tuple[str, BaseException]] = []
+
+    class Failing(StepSink):
+        def step(self, step: StepRecord, cost: StepCost) -> None:
+            if step.decode_requests == 3:
+                raise RuntimeError("a sink's defect")
+
+    aggregator = StepAggregator(
+        COST,
+        "float32",
+        PEAKS,
+        clock=FakeClock(),
+        sinks=(Failing(),),
+        batch_reports=96,
+        on_error=lambda where, exc: failures.append((where, exc)),
+    )
+    registry = CollectorRegistry()
+    StepMetrics("m", aggregator, registry)
+    for batch in (2, 3, 2):
+        aggregator.record(StepRecord(0, 0, 0, batch, batch, 0.05))
+    exposition(registry)  # a scrape hands them on, and still answers
+    assert [(where, str(exc)) for where, exc in failures] == [("step", "a sink's defect")]
+    steps = {"model": "m", "engine": "0", "kind": "decode"}
+    # The steps before and after it were handed on; the failing one stopped at the failing sink (the export
+    # comes after it), as when each report is handed on at once.
+    assert registry.get_sample_value("phasescope_engine_steps_total", steps) == 2
+
+
+@pytest.mark.parametrize("batch", [0, 1])
+def test_a_batch_of_one_or_less_hands_each_report_on_as_it_comes(batch: int) -> None:
+    clock = FakeClock()
+    aggregator, _, _ = served(clock, batch)
+    aggregator.record(StepRecord(0, 0, 0, 2, 2, 0.05))
+    assert len(aggregator.window._recent) == 1
