@@ -149,22 +149,16 @@ class StepAggregator:
         return self.peaks.peak_flops(self.dtype)
 
     def record(self, step: StepRecord) -> None:
-        if self._batch == 1:
-            self._record(step, ledger=True)
-            return
-        # The ledger now: the requests whose tokens this step made read its totals next.
+        # The ledger now, held or not: the requests whose tokens this step made read its totals next.
         decode_share = 0.0
-        if not self.interference.has_reference(step.engine) and step.kind == "mixed":
+        if step.kind == "mixed" and not self.interference.has_reference(step.engine):
             cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
             decode_share = cost.shares["decode"].seconds
         self.interference.record(step, decode_share)
         self._hold(self._record, (step,))
 
     def record_iteration(self, iteration: EngineIteration) -> None:
-        if self._batch == 1:
-            self._record_iteration(iteration)
-        else:
-            self._hold(self._record_iteration, (iteration,))
+        self._hold(self._record_iteration, (iteration,))
 
     def record_queue(
         self,
@@ -175,11 +169,7 @@ class StepAggregator:
         deferred: int = 0,
         reason: str = "other",
     ) -> None:
-        report = (engine, running, waiting, kv_cache_usage, deferred, reason)
-        if self._batch == 1:
-            self._record_queue(*report)
-        else:
-            self._hold(self._record_queue, report)
+        self._hold(self._record_queue, (engine, running, waiting, kv_cache_usage, deferred, reason))
 
     def _hold(self, deliver: Callable[..., None], report: tuple[object, ...]) -> None:
         with self._held_lock:
@@ -199,17 +189,14 @@ class StepAggregator:
                 except Exception as exc:  # a report that cannot be aggregated costs that report only
                     self._on_error("step", exc)
 
-    def _record(self, step: StepRecord, at: float | None = None, *, ledger: bool = False) -> None:
-        """A step made at `at` (None: now); `ledger`: its interference entry too (a held step's was made
-        when it came)."""
+    def _record(self, step: StepRecord, at: float) -> None:
+        """A step made at `at` (its interference entry was made when it came)."""
         cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
         self.window.add(step, cost, at)
-        if ledger:
-            self.interference.record(step, cost.shares["decode"].seconds)
         for sink in self._sinks:
             sink.step(step, cost)
 
-    def _record_iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
+    def _record_iteration(self, iteration: EngineIteration, at: float) -> None:
         if iteration.preemptions:
             self.window.add_preemptions(iteration.engine, iteration.preemptions, at)
         for sink in self._sinks:
@@ -221,9 +208,9 @@ class StepAggregator:
         running: int,
         waiting: int,
         kv_cache_usage: float,
-        deferred: int = 0,
-        reason: str = "other",
-        at: float | None = None,
+        deferred: int,
+        reason: str,
+        at: float,
     ) -> None:
         self.window.add_queue(engine, running, waiting, kv_cache_usage, reason, at)
         for sink in self._sinks:
