@@ -7,7 +7,7 @@ serialised as grpc.aio would. Streams run interleaved, `--concurrency` at once, 
 output handler feeds them: every step wakes each stream once.
 
 - phasescope: `VllmEngineServicer.Generate` over the real `RequestPath` with the server's own
-  observers (Prometheus, recent latencies), admission, the status interceptor's wrapper and
+  observers (Prometheus, recent latencies), admission, its own status mapping and
   `VllmEngine`'s step loop.
 - vllm: `smg_grpc_servicer.vllm.servicer.VllmEngineServicer.Generate`, vLLM's own worker, its load
   tracker included.
@@ -25,7 +25,7 @@ import json
 import logging
 import statistics
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Iterator
 from types import SimpleNamespace
 from typing import Any
 
@@ -79,10 +79,20 @@ class FakeLLM:
         return SimpleNamespace(max_chars_per_token=8)
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncGenerator[Any, None]:
+        """vLLM's servicer reads `generate`."""
+        outputs = self._outputs(prompt, request_id)
+        for _step in range(self._max_tokens):
+            await self._clock.step()
+            yield next(outputs)
+
+    async def add_request(self, request_id: str, prompt: Any, params: Any, **_: Any) -> FakeCollector:
+        """phasescope's engine reads the request's output collector, as `AsyncLLM.generate` does."""
+        return FakeCollector(request_id, self._clock, self._outputs(prompt, request_id))
+
+    def _outputs(self, prompt: Any, request_id: str) -> Iterator[Any]:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else []
         stats = _Stats()
         for i in range(self._max_tokens):
-            await self._clock.step()
             now = time.monotonic()
             if i == 0:
                 stats.first_token_ts = now
@@ -108,7 +118,26 @@ class FakeLLM:
                 kv_transfer_params=None,
             )
 
-    async def abort(self, request_id: str) -> None:
+    async def abort(self, request_id: str, internal: bool = False) -> None:
+        return None
+
+
+class FakeCollector:
+    """Enough of vLLM's `RequestOutputCollector`: the next output once the clock ticks."""
+
+    def __init__(self, request_id: str, clock: _Clock, outputs: Iterator[Any]) -> None:
+        self.request_id = request_id
+        self._clock = clock
+        self._outputs = outputs
+
+    def get_nowait(self) -> None:
+        return None
+
+    async def get(self) -> Any:
+        await self._clock.step()
+        return next(self._outputs)
+
+    def close(self) -> None:
         return None
 
 
@@ -146,7 +175,6 @@ def phasescope_handler(llm: FakeLLM) -> Any:
     from phasescope.engine.vllm.engine import VllmEngine
     from phasescope.serve.admission import Admission
     from phasescope.serve.engine_protocol.servicer import VllmEngineServicer
-    from phasescope.serve.interceptors import _map_stream
     from phasescope.serve.lifecycle import RequestPath
     from phasescope.telemetry.live import RecentLatencies
     from phasescope.telemetry.model.cost import model_cost_from_numbers
@@ -163,7 +191,7 @@ def phasescope_handler(llm: FakeLLM) -> Any:
     path = RequestPath(observers, Admission(4096, 4096), "m")
     path.engine = engine
     servicer = VllmEngineServicer(path)
-    return _map_stream(servicer.Generate)
+    return servicer.Generate  # it maps its own errors (`maps_own_errors`)
 
 
 def vllm_handler(llm: FakeLLM) -> Any:

@@ -9,10 +9,13 @@ docs/metrics.md documents each series; a test keeps the two in step.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics import MetricWrapperBase
+from prometheus_client.metrics_core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
@@ -47,11 +50,32 @@ _PHASE_HELP = (
 _UNANSWERED_CODES = ("CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL")
 
 
+class TokenCounts(Collector):
+    """`phasescope_tokens`, a counter by model and phase kept as plain totals.
+
+    The decode count grows with every streamed chunk of every request: a `Counter` child costs a
+    lock and its checks each time, where a dictionary entry costs an addition. Only the event loop
+    adds (one writer); a scrape reads a copy of the totals, made in one step, and every total it
+    reads is one the loop had reached, so the series never goes down."""
+
+    def __init__(self, registry: CollectorRegistry, documentation: str) -> None:
+        self.prefill: dict[str, int] = {}
+        self.decode: dict[str, int] = {}
+        self._documentation = documentation
+        registry.register(self)
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily("phasescope_tokens", self._documentation, labels=["model", "phase"])
+        for phase, totals in (("prefill", self.prefill), ("decode", self.decode)):
+            for model, total in list(totals.items()):
+                family.add_metric([model, phase], total)
+        yield family
+
+
 class PrometheusRequestObserver:
     def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
         """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
         its expression evaluates before the first request has missed or even run."""
-        self._decode_tokens: dict[str, Counter] = {}
         # Labelled children by (metric, *labels): `labels()` costs ~2.5 µs, a dozen times per request.
         self._children: dict[tuple[object, ...], Any] = {}
         self.phase_seconds = Histogram(
@@ -131,13 +155,12 @@ class PrometheusRequestObserver:
             ["model", "code"],
             registry=registry,
         )
-        self.tokens = Counter(
-            "phasescope_tokens",
+        self.tokens = TokenCounts(
+            registry,
             "Tokens per phase, counted as they happen: prefill = prompt tokens computed (prefix-cache hits "
             "excluded), at the first token; decode = output tokens, as they stream.",
-            ["model", "phase"],
-            registry=registry,
         )
+        self._decode_tokens = self.tokens.decode
         self.requests = Counter(
             "phasescope_requests",
             "Admitted requests that ended, by gRPC status code and finish reason.",
@@ -179,7 +202,8 @@ class PrometheusRequestObserver:
         # With tracing on, each observation links to its request's trace (shown when
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        self._child(self.tokens, model, "prefill").inc(record.prefill_tokens_computed)
+        prefill = self.tokens.prefill
+        prefill[model] = prefill.get(model, 0) + record.prefill_tokens_computed
         if record.cached_prompt_tokens:
             self._child(self.prefix_cache_tokens, model).inc(record.cached_prompt_tokens)
             if self.cost is not None:
@@ -202,11 +226,9 @@ class PrometheusRequestObserver:
             )
 
     def tokens_generated(self, model: str, count: int) -> None:
-        # Called for every chunk of every stream: the labelled child is looked up once per model.
-        child = self._decode_tokens.get(model)
-        if child is None:
-            child = self._decode_tokens[model] = self._child(self.tokens, model, "decode")
-        child.inc(count)
+        # Called for every chunk of every stream: an addition to a plain total (TokenCounts).
+        decode = self._decode_tokens
+        decode[model] = decode.get(model, 0) + count
 
     def request_finished(self, record: PhaseRecord) -> None:
         model = record.model

@@ -223,3 +223,19 @@ def test_observers_that_keep_no_token_count_are_not_called_per_chunk(registry: C
     group.tokens_generated(MODEL, 3)
     assert calls == ["started"]
     assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 3
+
+
+def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(registry: CollectorRegistry) -> None:
+    from prometheus_client import generate_latest
+
+    observer = PrometheusRequestObserver(registry)
+    observer.request_first_token(first_token())
+    observer.tokens_generated(MODEL, 2)
+    first = generate_latest(registry).decode()
+    assert "# TYPE phasescope_tokens_total counter" in first
+    assert f'phasescope_tokens_total{{model="{MODEL}",phase="decode"}} 2.0' in first
+    observer.tokens_generated(MODEL, 5)
+    observer.tokens_generated("other", 1)
+    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 7
+    assert registry.get_sample_value("phasescope_tokens_total", {"model": "other", "phase": "decode"}) == 1
+    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "prefill"}) == 8
