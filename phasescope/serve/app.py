@@ -23,7 +23,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics, start_http_server
+from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics
 
 from phasescope.engine.base import Engine
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -40,6 +40,7 @@ from phasescope.serve.lifecycle import RequestPath
 from phasescope.serve.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.serve.tracing_setup import build_tracing
 from phasescope.serve.watch import ServerFacts
+from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_counters
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
@@ -185,8 +186,8 @@ class Server:
         else:
             self.grpc_port = server.add_insecure_port(listen)
         await server.start()
-        metrics_server, metrics_thread = start_http_server(
-            settings.metrics_port, addr=settings.effective_metrics_host, registry=self.registry
+        metrics_server, metrics_thread = start_metrics_server(
+            settings.metrics_port, settings.effective_metrics_host, self.registry
         )
         self.metrics_port = metrics_server.server_port
         logger.info(
