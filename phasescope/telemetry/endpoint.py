@@ -26,7 +26,7 @@ import gzip
 import math
 import socket
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import Any
 from urllib.parse import parse_qs
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -125,35 +125,37 @@ class CachedExposition:
         return "".join(output).encode("utf-8")
 
     @staticmethod
-    def _family(kept: _Kept, metric: Metric) -> Iterator[str]:
+    def _family(kept: _Kept, metric: Metric) -> list[str]:
         samples = metric.samples
         moved = () if kept.openmetrics else tuple(metric.name + suffix for suffix in _OPENMETRICS_ONLY)
-        for sample in samples:
-            if sample.timestamp is not None or sample.exemplar is not None or sample.native_histogram is not None:
-                yield kept.write(metric)
-                return
-            if sample.name in moved:
-                yield kept.write(metric)
-                return
+        if any(
+            s.timestamp is not None or s.exemplar is not None or s.native_histogram is not None or s.name in moved
+            for s in samples
+        ):
+            return [kept.write(metric)]
         lines = [kept.header(metric)]
         written = kept.values
         for sample in samples:
             prefix = kept.prefix(metric, sample.name, sample.labels)
             if prefix is None:
-                yield kept.write(metric)
-                return
+                return [kept.write(metric)]
             # Counts repeat from scrape to scrape (a histogram's buckets): each is written once.
-            # Not -0.0 (equal to 0.0, written otherwise) nor NaN (equal to nothing).
             value = sample.value
-            text = written.get(value) if value or math.copysign(1.0, value) > 0 else None
+            keep = _keepable(value)
+            text = written.get(value) if keep else None
             if text is None:
                 text = _value(value) + "\n"
-                if value == value and (value or math.copysign(1.0, value) > 0):
+                if keep:
                     if len(written) >= _MAX_KEPT:
                         written.clear()
                     written[value] = text
             lines.append(prefix + text)
-        yield from lines
+        return lines
+
+
+def _keepable(value: float) -> bool:
+    """A value whose text can be kept under it: not NaN (equal to nothing), not -0.0 (equal to 0.0)."""
+    return value == value and (value != 0 or math.copysign(1.0, value) > 0)
 
 
 def metrics_app(registry: CollectorRegistry) -> Callable[[dict[str, Any], Callable[..., Any]], list[bytes]]:
