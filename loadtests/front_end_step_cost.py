@@ -10,20 +10,24 @@ its calls, microseconds per call and seconds in all:
     .venv/bin/python -m loadtests.front_end_step_cost vllm.entrypoints.launchers.grpc_server --model DIR ...
 
 then load it with `phasescope bench --vllm-grpc-address 127.0.0.1:PORT --model DIR ...` and stop it
-(SIGTERM or Ctrl-C). Timed: vLLM's `OutputProcessor.process_outputs` and `StatLoggerManager.record`
-(every stat logger of a step), its `PrometheusStatLogger.record`, and where phasescope runs,
+(SIGTERM or Ctrl-C; a SIGUSR1 once it is up leaves start-up out of the report). Timed: vLLM's
+`OutputProcessor.process_outputs` and `StatLoggerManager.record` (every stat logger of a step), its
+`PrometheusStatLogger.record`, and where phasescope runs,
 `PhasescopeStatLogger.record` (its whole step telemetry) and `RequestLifecycle.took` (once per
-request per step). Each timer reads the clock twice, about a microsecond, so nested timers are
-left out: each figure is one call's whole cost.
+request per step), and every garbage collection by generation (in either server). Each timer reads
+the clock twice, about a microsecond, so nested timers are left out: each figure is one call's whole
+cost.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import gc
 import json
 import os
 import runpy
+import signal
 import sys
 import time
 from collections.abc import Callable
@@ -56,7 +60,29 @@ def report() -> dict[str, dict[str, float]]:
     }
 
 
+def forget() -> None:
+    """Start every count afresh (the timers keep their totals' lists)."""
+    for totals in _calls.values():
+        totals[0] = totals[1] = 0.0
+
+
+def time_garbage_collections() -> None:
+    """Add every garbage collection's thread CPU seconds under its generation (`gc.callbacks`)."""
+    started: list[float] = []
+
+    def on_collection(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            started.append(time.thread_time())
+        elif started:
+            totals = _calls.setdefault(f"python gc generation {info['generation']}", [0.0, 0.0])
+            totals[0] += 1
+            totals[1] += time.thread_time() - started.pop()
+
+    gc.callbacks.append(on_collection)
+
+
 def install() -> None:
+    time_garbage_collections()
     from vllm.v1.engine.output_processor import OutputProcessor
     from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerManager
 
@@ -78,6 +104,8 @@ def main() -> None:
     module, sys.argv = sys.argv[1], sys.argv[1:]
     sys.path.insert(0, os.getcwd())
     install()
+    # SIGUSR1 forgets what was timed so far: sent once the server is up, the report covers the load alone.
+    signal.signal(signal.SIGUSR1, lambda signum, frame: forget())
     atexit.register(lambda: print("front-end step cost:", json.dumps(report()), file=sys.stderr, flush=True))
     runpy.run_module(module, run_name="__main__", alter_sys=True)
 

@@ -1,0 +1,92 @@
+"""What the front end's CPU per token would be without a part of phasescope's work: a diagnostic, never a setting.
+
+`phasescope serve` keeps all its telemetry on; to find how much of its front-end CPU per token a part
+costs end to end (where the in-place timers of `front_end_step_cost` mislead: the same code runs
+warmer or colder beside the rest), this runs the server with that part cut out and nothing else
+changed, to be loaded side by side with the unchanged server or vLLM's gRPC worker
+(`loadtests/vs_vllm_ab.sh`). `PHASESCOPE_WHAT_IF` names the cuts, comma-separated:
+
+- `no-step-telemetry`: `PhasescopeStatLogger.record` does nothing (no step records, window, views,
+  interference, step series).
+- `bare-took`: `RequestLifecycle.took` keeps only the sample's token count and stamps (no
+  interference read, no token counter).
+- `held-vllm-prometheus`: vLLM's own `PrometheusStatLogger` is handed 32 steps' reports at a time
+  (the series lag by up to 32 steps: a diagnostic only).
+
+    PHASESCOPE_WHAT_IF=no-step-telemetry,bare-took .venv/bin/python -m loadtests.front_end_what_if serve ...
+
+The engine core is a spawned process that imports this module again: the patches are made only
+in the server's own process (`__main__`).
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Any
+
+CUTS = ("no-step-telemetry", "bare-took", "held-vllm-prometheus")
+HELD_STEPS = 32
+
+
+def _no_step_telemetry() -> None:
+    from phasescope.engine.vllm.stats import PhasescopeStatLogger
+
+    def record(self: Any, *args: Any, **kwargs: Any) -> None:
+        return None
+
+    PhasescopeStatLogger.record = record  # type: ignore[method-assign]  # the cut being measured
+
+
+def _bare_took() -> None:
+    from phasescope.engine.base import EngineStep
+    from phasescope.serve.lifecycle import RequestLifecycle
+
+    def took(self: RequestLifecycle, step: EngineStep) -> None:
+        sample = self.samples[step.index] if step.index else self.samples[0]
+        self._current = sample
+        sample.completion_tokens = max(sample.completion_tokens + len(step.token_ids), step.completion_tokens)
+        if step.stamps is not None:
+            sample.stamps = step.stamps
+
+    RequestLifecycle.took = took  # type: ignore[method-assign]  # the cut being measured
+
+
+def _held_vllm_prometheus() -> None:
+    from vllm.v1.metrics.loggers import PrometheusStatLogger
+
+    original = PrometheusStatLogger.record
+
+    def record(
+        self: Any, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
+    ) -> None:
+        held = self.__dict__.setdefault("_phasescope_held", [])
+        held.append((scheduler_stats, iteration_stats, mm_cache_stats, engine_idx))
+        if len(held) >= HELD_STEPS:
+            self._phasescope_held = []
+            for scheduler, iteration, mm_cache, engine in held:
+                original(self, scheduler, iteration, mm_cache_stats=mm_cache, engine_idx=engine)
+
+    PrometheusStatLogger.record = record  # type: ignore[method-assign]  # the cut being measured
+
+
+def main() -> int:
+    cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
+    unknown = sorted(set(cuts) - set(CUTS))
+    if unknown:
+        sys.exit(f"PHASESCOPE_WHAT_IF: unknown {', '.join(unknown)} (known: {', '.join(CUTS)})")
+    patches = {
+        "no-step-telemetry": _no_step_telemetry,
+        "bare-took": _bare_took,
+        "held-vllm-prometheus": _held_vllm_prometheus,
+    }
+    for cut in cuts:
+        patches[cut]()
+    print(f"front_end_what_if: cut {', '.join(cuts) or 'nothing'}", file=sys.stderr, flush=True)
+    from phasescope.cli.main import main as phasescope_main
+
+    return phasescope_main(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
