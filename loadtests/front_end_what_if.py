@@ -4,7 +4,7 @@
 costs end to end (where the in-place timers of `front_end_step_cost` mislead: the same code runs
 warmer or colder beside the rest), this runs the server with that part cut out and nothing else
 changed, to be loaded side by side with the unchanged server or vLLM's gRPC worker
-(`loadtests/vs_vllm_ab.sh`). `PHASESCOPE_WHAT_IF` names the cuts, comma-separated:
+(`loadtests/serve_ab.py --a-what-if CUTS`). `PHASESCOPE_WHAT_IF` names the cuts, comma-separated:
 
 - `no-step-telemetry`: `PhasescopeStatLogger.record` does nothing (no step records, window, views,
   interference, step series).

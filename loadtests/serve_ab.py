@@ -13,6 +13,17 @@ front-end process's CPU seconds per 1,000 streamed tokens (user + system of the 
 process only, not its engine core), then B ÷ A. `--a-env`/`--b-env` set environment variables
 of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make one side's requests
 ask for token ids without text. Raw rounds go to --output.
+
+Against vLLM's own gRPC worker, and with parts of phasescope's work cut out
+(`loadtests/front_end_what_if.py`): `--b-vllm-grpc` makes B vLLM's worker (started as `phasescope
+bench --compare` starts it, its servicer's planned warm-up off), `--engine-protocol` sends both
+sides token ids over vLLM's engine protocol as the smg gateway does (implied by `--b-vllm-grpc`),
+`--a-what-if`/`--b-what-if` name one side's cuts, and `--pin-cpus` keeps every engine worker's
+CPUs to it as `bench --pin-cpus` does (this driver, its client included, and both servers' other
+processes on the rest):
+
+    .venv/bin/python -m loadtests.serve_ab --tiny-model --b-vllm-grpc --pin-cpus \\
+        --a-what-if no-step-telemetry,bare-took --concurrency 16 --requests 384 --rounds 4
 """
 
 from __future__ import annotations
@@ -29,11 +40,13 @@ from typing import Any
 
 import psutil
 
-from phasescope.bench.harness import PhasescopeProcess, stop_on_sigterm, write_results
+from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, stop_on_sigterm, write_results
+from phasescope.bench.launch import EngineSettings, phasescope_engine_target, start_vllm_grpc
 from phasescope.bench.loop import run_point
 from phasescope.bench.summary import summarize
-from phasescope.bench.targets import PhasescopeTarget
+from phasescope.bench.targets import PhasescopeTarget, Target
 from phasescope.bench.workload import LengthDistribution, WorkloadSpec, derive_seed, workload
+from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 
 FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "frontend_cpu_seconds_per_1k_tokens")
 
@@ -53,9 +66,7 @@ def _env(pairs: list[str]) -> dict[str, str]:
     return env
 
 
-async def _round(
-    target: PhasescopeTarget, pid: int, spec: WorkloadSpec, seed: int, args: argparse.Namespace
-) -> dict[str, Any]:
+async def _round(target: Target, pid: int, spec: WorkloadSpec, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     requests = workload(spec, seed, args.requests)
     before = _cpu(pid)
     if args.bursts:
@@ -66,15 +77,17 @@ async def _round(
                                             progress=lambda: None)  # fmt: skip
     cpu = _cpu(pid) - before
     summary = summarize(records, duration)
+    if not summary["total_output_tokens"]:
+        errors = sorted({record.error for record in records if record.error})
+        raise SystemExit(f"serve_ab: {target.name} streamed no token in a round: {'; '.join(errors) or 'no error'}")
     summary["frontend_cpu_seconds_per_1k_tokens"] = cpu / (summary["total_output_tokens"] / 1e3)
     return {key: summary[key] for key in (*FIGURES, "total_output_tokens", "errors", "duration")}
 
 
-async def _measure(servers: dict[str, PhasescopeProcess], args: argparse.Namespace) -> list[dict[str, Any]]:
+async def _measure(
+    servers: dict[str, ManagedProcess], targets: dict[str, Target], args: argparse.Namespace
+) -> list[dict[str, Any]]:
     spec = WorkloadSpec(LengthDistribution.parse(args.prompt_tokens), LengthDistribution.parse(str(args.max_tokens)))
-    ids_only = {"a": args.a_token_ids_only, "b": args.b_token_ids_only}
-    targets = {name: PhasescopeTarget(server.address, None, server.process.pid, token_ids_only=ids_only[name])
-               for name, server in servers.items()}  # fmt: skip
     rounds: list[dict[str, Any]] = []
     try:
         warm = workload(spec, 1, 16)
@@ -100,6 +113,41 @@ async def _measure(servers: dict[str, PhasescopeProcess], args: argparse.Namespa
     return rounds
 
 
+async def _serve_and_measure(
+    args: argparse.Namespace, engine: list[str], model: str, max_num_seqs: int, logs: Path
+) -> list[dict[str, Any]]:
+    """Start both servers, then measure; on the measuring loop, as a gRPC aio channel (a target's) belongs to the
+    loop it was opened on. Starting blocks that loop, with nothing else on it yet."""
+    with contextlib.ExitStack() as stack:
+        servers: dict[str, ManagedProcess] = {}
+        targets: dict[str, Target] = {}
+        sides = (("a", args.a_args, args.a_env, args.a_what_if, args.a_token_ids_only),
+                 ("b", args.b_args, args.b_env, args.b_what_if, args.b_token_ids_only))  # fmt: skip
+        for name, extra, env, cuts, ids_only in sides:
+            if name == "b" and args.b_vllm_grpc:
+                settings = EngineSettings(model, Path(model).name, "float32", 2048, 2.0, max_num_seqs)
+                worker, targets[name] = start_vllm_grpc(settings, logs)
+                stack.callback(worker.stop)
+                servers[name] = worker
+                continue
+            what_if = {"PHASESCOPE_WHAT_IF": cuts} if cuts else {}
+            server = PhasescopeProcess([*engine, *shlex.split(extra)], logs / f"{name}.log", env=_env(env) | what_if,
+                                       module="loadtests.front_end_what_if" if cuts else "phasescope")  # fmt: skip
+            stack.callback(server.stop)
+            servers[name] = server
+            pid = server.process.pid
+            if args.engine_protocol:
+                targets[name] = phasescope_engine_target(server.address, None, pid, model)
+            else:
+                targets[name] = PhasescopeTarget(server.address, None, pid, token_ids_only=ids_only)
+        for process in servers.values():
+            if isinstance(process, PhasescopeProcess):
+                process.wait_serving()
+        if args.pin_cpus and keep_off_worker_cpus() is None:
+            print("serve_ab: --pin-cpus: no engine worker is bound to part of the CPUs; nothing moved", file=sys.stderr)
+        return await _measure(servers, targets, args)
+
+
 def main(argv: list[str] | None = None) -> int:
     stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
@@ -109,6 +157,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-env", action="append", default=[], metavar="NAME=VALUE")
     parser.add_argument("--a-token-ids-only", action="store_true", help="A's requests ask for token ids only")
     parser.add_argument("--b-token-ids-only", action="store_true", help="B's requests ask for token ids only")
+    parser.add_argument("--a-what-if", default="", metavar="CUTS", help="A's front_end_what_if cuts")
+    parser.add_argument("--b-what-if", default="", metavar="CUTS", help="B's front_end_what_if cuts")
+    parser.add_argument("--b-vllm-grpc", action="store_true", help="B is vLLM's gRPC worker")
+    parser.add_argument("--engine-protocol", action="store_true", help="token ids over vLLM's engine protocol")
+    parser.add_argument("--pin-cpus", action="store_true", help="as bench --pin-cpus")
     parser.add_argument("--tiny-model", action="store_true", help="serve the tiny model (else the default)")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--bursts", type=int, default=0, help="waves of N at once instead of a closed loop")
@@ -120,23 +173,23 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)
 
+    args.engine_protocol = args.engine_protocol or args.b_vllm_grpc
+    max_num_seqs = max(args.concurrency, args.bursts, 16)
     engine = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "2",
-              "--max-concurrent-requests", str(max(args.concurrency, args.bursts, 16)),
-              "--max-queued-requests", "4096"]  # fmt: skip
+              "--max-concurrent-requests", str(max_num_seqs), "--max-queued-requests", "4096"]  # fmt: skip
+    model = ""  # phasescope's embedded default unless a tokenizer is needed here (token ids are sent)
     if args.tiny_model:
         from phasescope.bench.tiny_model import ensure_tiny_model
 
-        engine += ["--model", str(ensure_tiny_model())]
+        model = str(ensure_tiny_model())
+    elif args.engine_protocol:
+        from phasescope.engine.default_model import ensure_default_model
+
+        model = str(ensure_default_model())
+    if model:
+        engine += ["--model", model]
     logs = Path(tempfile.mkdtemp(prefix="serve-ab-"))
-    with contextlib.ExitStack() as stack:
-        servers = {}
-        for name, extra, env in (("a", args.a_args, args.a_env), ("b", args.b_args, args.b_env)):
-            server = PhasescopeProcess([*engine, *shlex.split(extra)], logs / f"{name}.log", env=_env(env))
-            stack.callback(server.stop)
-            servers[name] = server
-        for server in servers.values():
-            server.wait_serving()
-        rounds = asyncio.run(_measure(servers, args))
+    rounds = asyncio.run(_serve_and_measure(args, engine, model, max_num_seqs, logs))
     medians = {
         name: {figure: statistics.median(r[figure] for r in rounds if r["config"] == name) for figure in FIGURES}
         for name in ("a", "b")
@@ -144,7 +197,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("a", "b"):
         extra, env = getattr(args, f"{name}_args"), getattr(args, f"{name}_env")
         ids = " (token ids only)" if getattr(args, f"{name}_token_ids_only") else ""
-        print(f"{name.upper()}: {extra or '(defaults)'} {' '.join(env)}{ids}")
+        cuts = getattr(args, f"{name}_what_if")
+        what = "vLLM's gRPC worker" if name == "b" and args.b_vllm_grpc else extra or "(defaults)"
+        print(f"{name.upper()}: {what} {' '.join(env)}{ids}{f' cut: {cuts}' if cuts else ''}")
     for figure in FIGURES:
         a, b = medians["a"][figure], medians["b"][figure]
         print(f"{figure:>38}: A {a:10.4f}  B {b:10.4f}  B ÷ A {b / a if a else float('nan'):.3f}")
