@@ -127,3 +127,17 @@ def test_why_waiting_requests_wait_is_read_from_the_step_that_left_them_waiting(
     # The deferred (a grammar compiling) are reported apart, as vLLM counts them.
     waiting(running=2, ctx_tokens=300, deferred=2)
     assert queued[-1][4] == 2
+
+
+def test_a_stats_update_is_handed_on_as_one_report() -> None:
+    # One hand-over per engine step: its output batch, scheduler state and step together.
+    reports: list[tuple[object, ...]] = []
+    forward = StepForwarder()
+    forward.report_sink = lambda *report: reports.append(report)
+    iteration = IterationStats()  # type: ignore[no-untyped-call]  # vLLM leaves its __init__ unannotated
+    iteration.inter_token_latencies_iter = [0.01]
+    logger(forward).record(scheduler_stats(1, 300, 4, 4), iteration)
+    ((batch, queue, step),) = reports
+    assert isinstance(batch, EngineIteration) and list(batch.inter_token_seconds) == [0.01]
+    assert queue == (0, 5, 0, 0.5, 0, "kv_cache")
+    assert isinstance(step, StepRecord) and step.kind == "mixed"

@@ -62,22 +62,23 @@ class PhasescopeStatLogger(StatLoggerBase):
     def _record(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_idx: int
     ) -> None:
+        # One report per stats update (its parts handed on together, `StepForwarder.report`).
+        iteration = None
         preempted = False
         if iteration_stats is not None:
             preempted = iteration_stats.num_preempted_reqs > 0
-            self._forward.iteration(
-                EngineIteration(
-                    engine=engine_idx,
-                    inter_token_seconds=iteration_stats.inter_token_latencies_iter,
-                    preemptions=iteration_stats.num_preempted_reqs,
-                )
+            iteration = EngineIteration(
+                engine=engine_idx,
+                inter_token_seconds=iteration_stats.inter_token_latencies_iter,
+                preemptions=iteration_stats.num_preempted_reqs,
             )
         if scheduler_stats is None:
+            self._forward.report(iteration, None, None)
             return
         details = scheduler_stats.iteration_details
         scheduled = details.num_ctx_tokens + details.num_generation_tokens if details is not None else 0
         running = scheduler_stats.num_running_reqs
-        self._forward.queue(
+        queue = (
             engine_idx,
             running,
             scheduler_stats.num_waiting_reqs,
@@ -88,6 +89,7 @@ class PhasescopeStatLogger(StatLoggerBase):
             wait_reason(running, self._max_num_seqs, scheduled, self._token_budget, preempted),
         )
         if details is None or details.is_dummy:
+            self._forward.report(iteration, queue, None)
             return
         perf = scheduler_stats.perf_stats
         # vLLM counts a request resumed after preemption as "generation" (it has output
@@ -96,20 +98,19 @@ class PhasescopeStatLogger(StatLoggerBase):
             details.num_generation_tokens, details.num_generation_requests * self._max_decode_tokens_per_request
         )
         recomputed_tokens = details.num_generation_tokens - decode_tokens
-        self._forward(
-            StepRecord(
-                engine=engine_idx,
-                prefill_requests=details.num_ctx_requests,
-                prefill_tokens=details.num_ctx_tokens + recomputed_tokens,
-                decode_requests=details.num_generation_requests,
-                decode_tokens=decode_tokens,
-                elapsed_seconds=details.elapsed_ms / 1e3,
-                flops=float(perf.num_flops_per_gpu) if perf is not None else None,
-                read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
-                written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
-                kv_cache_tokens=round(scheduler_stats.kv_cache_usage * self._kv_cache_capacity_tokens()),
-            )
+        step = StepRecord(
+            engine=engine_idx,
+            prefill_requests=details.num_ctx_requests,
+            prefill_tokens=details.num_ctx_tokens + recomputed_tokens,
+            decode_requests=details.num_generation_requests,
+            decode_tokens=decode_tokens,
+            elapsed_seconds=details.elapsed_ms / 1e3,
+            flops=float(perf.num_flops_per_gpu) if perf is not None else None,
+            read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
+            written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
+            kv_cache_tokens=round(scheduler_stats.kv_cache_usage * self._kv_cache_capacity_tokens()),
         )
+        self._forward.report(iteration, queue, step)
 
     def log_engine_initialized(self) -> None:
         pass

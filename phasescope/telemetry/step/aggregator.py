@@ -25,9 +25,9 @@ from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.cost import ModelCost
-from phasescope.telemetry.step.attribution import StepCost, attribute_step
+from phasescope.telemetry.step.attribution import StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
-from phasescope.telemetry.step.records import PHASES, EngineIteration, StepRecord
+from phasescope.telemetry.step.records import PHASES, EngineIteration, QueueReport, StepRecord
 from phasescope.telemetry.step.verdict import (
     Headroom,
     HeadroomLimits,
@@ -89,6 +89,9 @@ class StepSink:
     def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
         """The engine's scheduler state at a stats update."""
 
+    def flushed(self) -> None:
+        """The reports held so far have all been handed on (a sink that sums them publishes now)."""
+
 
 class StepAggregator:
     """The engines' steps against the device's peaks: the window, the ledger and the views.
@@ -128,6 +131,7 @@ class StepAggregator:
         )
         self.interference = InterferenceLedger()
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
+        self._attributor: StepAttributor | None = None
         self._clock = clock
         self._batch = max(1, batch_reports)
         self._on_error = on_error
@@ -136,6 +140,12 @@ class StepAggregator:
         self._held_lock = threading.Lock()
         # One delivery at a time (the engine's thread, a scrape's, a watcher's), in order.
         self._delivery = threading.Lock()
+
+    def _attribute(self, step: StepRecord) -> StepCost:
+        # Made at the first step: a device with no peak FLOP/s for the dtype fails each step, not the start.
+        if self._attributor is None:
+            self._attributor = StepAttributor(self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        return self._attributor(step)
 
     def add_sink(self, sink: StepSink) -> None:
         self._sinks = (*self._sinks, sink)
@@ -149,13 +159,23 @@ class StepAggregator:
         return self.peaks.peak_flops(self.dtype)
 
     def record(self, step: StepRecord) -> None:
+        self._ledger(step)
+        self._hold(self._record, (step,))
+
+    def record_report(
+        self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None
+    ) -> None:
+        """One stats update of the engine (`records.StepForwarder.report`), held as one report."""
+        if step is not None:
+            self._ledger(step)
+        self._hold(self._record_report, (iteration, queue, step))
+
+    def _ledger(self, step: StepRecord) -> None:
         # The ledger now, held or not: the requests whose tokens this step made read its totals next.
         decode_share = 0.0
         if step.kind == "mixed" and not self.interference.has_reference(step.engine):
-            cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
-            decode_share = cost.shares["decode"].seconds
+            decode_share = self._attribute(step).shares["decode"].seconds
         self.interference.record(step, decode_share)
-        self._hold(self._record, (step,))
 
     def record_iteration(self, iteration: EngineIteration) -> None:
         self._hold(self._record_iteration, (iteration,))
@@ -188,10 +208,32 @@ class StepAggregator:
                     deliver(*report, at=at)
                 except Exception as exc:  # a report that cannot be aggregated costs that report only
                     self._on_error("step", exc)
+            for sink in self._sinks:
+                try:
+                    sink.flushed()
+                except Exception as exc:
+                    self._on_error("step", exc)
+
+    def _record_report(
+        self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None, at: float
+    ) -> None:
+        # Each part as if handed on alone: one that cannot be aggregated costs that part only.
+        parts: list[tuple[Callable[..., None], tuple[object, ...]]] = []
+        if iteration is not None:
+            parts.append((self._record_iteration, (iteration,)))
+        if queue is not None:
+            parts.append((self._record_queue, queue))
+        if step is not None:
+            parts.append((self._record, (step,)))
+        for deliver, report in parts:
+            try:
+                deliver(*report, at=at)
+            except Exception as exc:
+                self._on_error("step", exc)
 
     def _record(self, step: StepRecord, at: float) -> None:
         """A step made at `at` (its interference entry was made when it came)."""
-        cost = attribute_step(step, self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+        cost = self._attribute(step)
         self.window.add(step, cost, at)
         for sink in self._sinks:
             sink.step(step, cost)

@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phasescope.telemetry.model.cost import ModelCost
-from phasescope.telemetry.step.records import PHASES, StepRecord
+from phasescope.telemetry.step.records import StepRecord
 
 
 @dataclass(slots=True)
@@ -67,38 +67,63 @@ def decode_context_tokens(step: StepRecord) -> int:
     return max(0, step.kv_cache_tokens - step.prefill_tokens)
 
 
-def model_step_cost(cost: ModelCost, step: StepRecord) -> tuple[float, float, float]:
-    """(FLOPs, bytes read, bytes written) on each device of a step, by the project's own cost model."""
-    tokens = step.prefill_tokens + step.decode_tokens
-    # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
-    # decode tokens (LM head each, attention over their sequences' context).
-    flops = cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + cost.decode_flops(
-        step.decode_tokens, decode_context_tokens(step)
-    )
-    # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
-    read_bytes = cost.weights_read(tokens) + step.kv_cache_tokens * cost.device_kv_cache_bytes_per_token
-    # Bytes written ≈ each computed token's new KV entries.
-    written_bytes = tokens * cost.device_kv_cache_bytes_per_token
-    return flops, read_bytes, written_bytes
+class StepAttributor:
+    """`attribute_step` for one model against one device's peaks, with what every step reads of the cost model
+    worked out once (the aggregator attributes every engine step)."""
 
+    def __init__(self, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float) -> None:
+        self.cost = cost
+        self._bandwidth = peak_bandwidth_bytes_per_second
+        self._flops = peak_flops
+        self._kv_bytes = cost.device_kv_cache_bytes_per_token
+        # A dense model's step reads all its weights, whatever its tokens.
+        self._dense_weights = cost.device_weight_bytes if cost.experts is None else None
 
-def attribute_step(
-    step: StepRecord, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float
-) -> StepCost:
-    """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
-    model_flops, model_read, model_written = model_step_cost(cost, step)
-    flops = step.flops if step.flops is not None else model_flops
-    read_bytes = step.read_bytes if step.read_bytes is not None else model_read
-    written_bytes = step.written_bytes if step.written_bytes is not None else model_written
-    total_tokens = step.prefill_tokens + step.decode_tokens
-    kind = step.kind
-    if kind == "mixed":
+    def _weights_read(self, tokens: int) -> float:
+        return self._dense_weights if self._dense_weights is not None else self.cost.weights_read(tokens)
+
+    def model_step_cost(self, step: StepRecord) -> tuple[float, float, float]:
+        """(FLOPs, bytes read, bytes written) on each device of a step, by the project's own cost model."""
+        cost = self.cost
+        tokens = step.prefill_tokens + step.decode_tokens
+        # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
+        # decode tokens (LM head each, attention over their sequences' context).
+        flops = cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + cost.decode_flops(
+            step.decode_tokens, decode_context_tokens(step)
+        )
+        # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
+        read_bytes = self._weights_read(tokens) + step.kv_cache_tokens * self._kv_bytes
+        # Bytes written ≈ each computed token's new KV entries.
+        written_bytes = tokens * self._kv_bytes
+        return flops, read_bytes, written_bytes
+
+    def __call__(self, step: StepRecord) -> StepCost:
+        """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
+        cost = self.cost
+        model_flops, model_read, model_written = self.model_step_cost(step)
+        flops = step.flops if step.flops is not None else model_flops
+        read_bytes = step.read_bytes if step.read_bytes is not None else model_read
+        written_bytes = step.written_bytes if step.written_bytes is not None else model_written
+        total_tokens = step.prefill_tokens + step.decode_tokens
+        kind = step.kind
+        if kind != "mixed":
+            whole = PhaseShare(
+                total_tokens,
+                step.prefill_requests + step.decode_requests,
+                step.elapsed_seconds,
+                flops,
+                read_bytes,
+                written_bytes,
+            )
+            empty = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0)
+            shares = {"prefill": whole, "decode": empty} if kind == "prefill" else {"prefill": empty, "decode": whole}
+            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
         token_share = step.decode_tokens / total_tokens
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total); the chunk pays
         # the rest, everything it adds (its KV, its activations).
-        kv_bytes = cost.device_kv_cache_bytes_per_token
-        decode_alone_read = cost.weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
+        kv_bytes = self._kv_bytes
+        decode_alone_read = self._weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
         decode_read_bytes = min(read_bytes, decode_alone_read)
         decode_written = min(written_bytes, step.decode_tokens * kv_bytes)
         # FLOPs: decode pays its decode-only cost by the cost model (at most the step's); the chunk the rest.
@@ -107,7 +132,7 @@ def attribute_step(
         prefill_written = written_bytes - decode_written
 
         def roofline_seconds(phase_flops: float, moved: float) -> float:
-            return max(moved / peak_bandwidth_bytes_per_second, phase_flops / peak_flops)
+            return max(moved / self._bandwidth, phase_flops / self._flops)
 
         decode_time = roofline_seconds(decode_flops, decode_read_bytes + decode_written)
         prefill_time = roofline_seconds(prefill_flops, prefill_read_bytes + prefill_written)
@@ -131,15 +156,11 @@ def attribute_step(
                 decode_written,
             ),
         }
-    else:
-        empty = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0)
-        whole = PhaseShare(
-            total_tokens,
-            step.prefill_requests + step.decode_requests,
-            step.elapsed_seconds,
-            flops,
-            read_bytes,
-            written_bytes,
-        )
-        shares = {phase: whole if phase == kind else empty for phase in PHASES}
-    return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+        return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+
+
+def attribute_step(
+    step: StepRecord, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float
+) -> StepCost:
+    """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
+    return StepAttributor(cost, peak_bandwidth_bytes_per_second, peak_flops)(step)

@@ -10,9 +10,9 @@ instead of a misleading 0.
 
 from __future__ import annotations
 
-import bisect
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator, Sequence
 
+import numpy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -31,28 +31,25 @@ INTER_TOKEN_SECONDS_BUCKETS = (
 )  # fmt: skip
 
 
-def observe_all(histogram: Histogram, values: Iterable[float]) -> None:
+def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
     """`histogram.observe(v)` for every value, with one lock per touched bucket instead of one per value.
 
-    An engine step reports one inter-token gap per decoding request (hundreds at a large batch). This
-    reads prometheus-client's bucket layout (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4);
+    The engine reports one inter-token gap per decoding request per step (hundreds at a large batch), and
+    the export observes a whole hand-over of held reports at once. This reads prometheus-client's bucket
+    layout (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4);
     tests/unit/telemetry/step/test_prometheus_observe.py checks the result equals one observe() per value.
     """
-    bounds = histogram._upper_bounds
-    counts = [0] * len(bounds)
-    total = 0.0
-    for value in values:
-        # The first bucket whose bound is ≥ the value, as observe() picks it; the last bound is +Inf.
-        counts[bisect.bisect_left(bounds, value)] += 1
-        total += value
-    if not any(counts):
+    if not values:
         return
+    # The first bucket whose bound is ≥ the value, as observe() picks it (bisect_left); the last bound is +Inf.
+    counts = numpy.bincount(
+        numpy.searchsorted(histogram._upper_bounds, values, side="left"), minlength=len(histogram._upper_bounds)
+    )
     histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks
-    histogram._sum.inc(total)
+    histogram._sum.inc(sum(values))
     buckets = histogram._buckets
-    for index, count in enumerate(counts):
-        if count:
-            buckets[index].inc(count)
+    for index in numpy.flatnonzero(counts).tolist():
+        buckets[index].inc(int(counts[index]))
 
 
 class _HeldReportsFirst(Collector):
@@ -156,12 +153,18 @@ class StepMetrics(StepSink, Collector):
             for kind in STEP_KINDS:
                 self.steps.labels(model, str(engine), kind)
         self._inter_token = self.inter_token_latency_seconds.labels(model)
-        # Labelled children by engine (and phase), looked up once: record() runs for every engine step.
+        # Labelled children by engine (and phase), looked up once.
         self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
         self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
         self._step_children: dict[tuple[int, str], Counter] = {}
         # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
         self._last_queue: dict[int, tuple[int, int, float, int]] = {}
+        # What the reports of one hand-over add, summed as they come and added to the series once at its end
+        # (`flushed`): a counter child costs a lock and its checks per increment, an engine step a dozen.
+        self._pending_phases: dict[tuple[int, str], list[float]] = {}
+        self._pending_steps: dict[tuple[int, str], int] = {}
+        self._pending_gaps: list[float] = []
+        self._pending_preemptions: dict[int, int] = {}
         registry.register(self)
         steps.add_sink(self)
 
@@ -185,9 +188,43 @@ class StepMetrics(StepSink, Collector):
         children[3].set(deferred)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
-        observe_all(self._inter_token, iteration.inter_token_seconds)
+        self._pending_gaps.extend(iteration.inter_token_seconds)
         if iteration.preemptions:
-            self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
+            pending = self._pending_preemptions
+            pending[iteration.engine] = pending.get(iteration.engine, 0) + iteration.preemptions
+
+    def step(self, step: StepRecord, cost: StepCost) -> None:
+        steps = self._pending_steps
+        key = (step.engine, step.kind)
+        steps[key] = steps.get(key, 0) + 1
+        for phase, share in cost.shares.items():
+            if share.tokens == 0:
+                continue
+            sums = self._pending_phases.get((step.engine, phase))
+            if sums is None:
+                sums = self._pending_phases[(step.engine, phase)] = [0.0, 0.0, 0.0, 0.0, 0.0]
+            sums[0] += share.flops
+            sums[1] += share.read_bytes
+            sums[2] += share.written_bytes
+            sums[3] += share.seconds
+            sums[4] += share.tokens
+
+    def flushed(self) -> None:
+        for (engine, phase), sums in self._pending_phases.items():
+            for counter, total in zip(self._phase_counters(engine, phase), sums, strict=True):
+                counter.inc(total)
+        self._pending_phases.clear()
+        for (engine, kind), count in self._pending_steps.items():
+            steps = self._step_children.get((engine, kind))
+            if steps is None:
+                steps = self._step_children[(engine, kind)] = self.steps.labels(self._model, str(engine), kind)
+            steps.inc(count)
+        self._pending_steps.clear()
+        observe_all(self._inter_token, self._pending_gaps)
+        self._pending_gaps.clear()
+        for engine, count in self._pending_preemptions.items():
+            self.preemptions.labels(self._model, str(engine)).inc(count)
+        self._pending_preemptions.clear()
 
     def _phase_counters(self, engine: int, phase: str) -> tuple[Counter, Counter, Counter, Counter, Counter]:
         children = self._phase_children.get((engine, phase))
@@ -201,22 +238,6 @@ class StepMetrics(StepSink, Collector):
                 self.step_tokens.labels(*labels),
             )
         return children
-
-    def step(self, step: StepRecord, cost: StepCost) -> None:
-        kind = step.kind
-        counter = self._step_children.get((step.engine, kind))
-        if counter is None:
-            counter = self._step_children[(step.engine, kind)] = self.steps.labels(self._model, str(step.engine), kind)
-        counter.inc()
-        for phase, share in cost.shares.items():
-            if share.tokens == 0:
-                continue
-            flops, read, written, busy, tokens = self._phase_counters(step.engine, phase)
-            flops.inc(share.flops)
-            read.inc(share.read_bytes)
-            written.inc(share.written_bytes)
-            busy.inc(share.seconds)
-            tokens.inc(share.tokens)
 
     def collect(self) -> Iterator[Metric]:
         self._steps.flush_reports()

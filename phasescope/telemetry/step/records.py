@@ -55,6 +55,11 @@ class EngineIteration:
     preemptions: int
 
 
+QueueReport = tuple[int, int, int, float, int, str]
+"""The engine's scheduler state at a stats update: engine, running, waiting, KV-cache usage, deferred, and why
+the waiting wait (`StepForwarder.queue`)."""
+
+
 class StepForwarder:
     """Where the engine's reports go; reports seen before a sink is attached are dropped.
 
@@ -68,6 +73,8 @@ class StepForwarder:
         self.sink: Callable[[StepRecord], None] | None = None
         self.iteration_sink: Callable[[EngineIteration], None] | None = None
         self.queue_sink: Callable[[int, int, int, float, int, str], None] | None = None
+        self.report_sink: Callable[[EngineIteration | None, QueueReport | None, StepRecord | None], None] | None = None
+        """Takes a whole stats update at once (`report`); without it, each part goes to its own sink."""
         self.on_error = on_error
 
     def failed(self, exc: BaseException) -> None:
@@ -100,3 +107,17 @@ class StepForwarder:
         requests could be scheduled, `deferred` ones are held back (a structured output's grammar still
         compiling); `reason` is why the waiting wait (`window.wait_reason`)."""
         self._deliver(self.queue_sink, engine, running, waiting, kv_cache_usage, deferred, reason)
+
+    def report(self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None) -> None:
+        """One stats update of the engine, each part None when it has none: its output batch, its scheduler
+        state, its step. `report_sink` takes them as one report (one hand-over per engine step); without it
+        each goes to its own sink, in that order."""
+        if self.report_sink is not None:
+            self._deliver(self.report_sink, iteration, queue, step)
+            return
+        if iteration is not None:
+            self._deliver(self.iteration_sink, iteration)
+        if queue is not None:
+            self._deliver(self.queue_sink, *queue)
+        if step is not None:
+            self._deliver(self.sink, step)

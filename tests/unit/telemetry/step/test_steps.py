@@ -261,6 +261,23 @@ def test_forwarder_drops_reports_until_a_sink_is_attached() -> None:
     assert [step.decode_requests for step in seen] == [2]
 
 
+def test_a_stats_update_goes_whole_to_the_report_sink_else_part_by_part() -> None:
+    seen: list[object] = []
+    forward = StepForwarder()
+    forward.iteration_sink = seen.append
+    forward.queue_sink = lambda *queue: seen.append(queue)
+    forward.sink = seen.append
+    iteration, queue, step = EngineIteration(0, (0.01,), 0), (0, 2, 1, 0.5, 0, "slot"), decode_step(2)
+    forward.report(iteration, queue, step)
+    forward.report(None, queue, None)
+    assert seen == [iteration, queue, step, queue]
+    whole: list[tuple[object, ...]] = []
+    forward.report_sink = lambda *report: whole.append(report)
+    forward.report(iteration, queue, step)
+    assert whole == [(iteration, queue, step)]
+    assert len(seen) == 4
+
+
 def test_a_failing_sink_is_contained_and_counted() -> None:
     registry = CollectorRegistry()
     forward = StepForwarder(on_error=TelemetryErrors("m", registry))
