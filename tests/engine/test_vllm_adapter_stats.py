@@ -2,11 +2,18 @@
 
 from types import SimpleNamespace
 
-from prometheus_client import CollectorRegistry
+from prometheus_client import REGISTRY, CollectorRegistry
+from vllm.engine.arg_utils import EngineArgs
 from vllm.v1.metrics.perf import PerfStats
 from vllm.v1.metrics.stats import IterationStats, SchedulerIterationDetails, SchedulerStats
 
-from phasescope.engine.vllm.stats import PhasescopeStatLogger, stat_logger_factory
+from phasescope.bench.tiny_model import ensure_tiny_model
+from phasescope.engine.vllm.stats import (
+    HELD_PROMETHEUS_STEPS,
+    HeldPrometheusStatLogger,
+    PhasescopeStatLogger,
+    stat_logger_factory,
+)
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 
@@ -138,6 +145,27 @@ def test_a_stats_update_is_handed_on_as_one_report() -> None:
     iteration.inter_token_latencies_iter = [0.01]
     logger(forward).record(scheduler_stats(1, 300, 4, 4), iteration)
     ((batch, queue, step),) = reports
-    assert isinstance(batch, EngineIteration) and list(batch.inter_token_seconds) == [0.01]
+    assert isinstance(batch, EngineIteration)
+    assert list(batch.inter_token_seconds) == [0.01]
     assert queue == (0, 5, 0, 0.5, 0, "kv_cache")
-    assert isinstance(step, StepRecord) and step.kind == "mixed"
+    assert isinstance(step, StepRecord)
+    assert step.kind == "mixed"
+
+
+def test_vllm_series_are_whole_at_every_scrape_while_their_reports_are_held() -> None:
+    # vLLM's own Prometheus logger, its reports held: fewer updates than it holds at a time still all count.
+    config = EngineArgs(model=str(ensure_tiny_model()), enforce_eager=True, max_model_len=256).create_engine_config()
+    held = HeldPrometheusStatLogger(config, [0])
+    labels = {"model_name": str(config.model_config.served_model_name), "engine": "0"}
+    before = REGISTRY.get_sample_value("vllm:generation_tokens_total", labels) or 0.0
+    for tokens in (4, 4, 3):
+        iteration = IterationStats()  # type: ignore[no-untyped-call]  # vLLM leaves its __init__ unannotated
+        iteration.num_generation_tokens = tokens
+        held.record(scheduler_stats(0, 0, tokens, tokens), iteration)
+    assert REGISTRY.get_sample_value("vllm:generation_tokens_total", labels) == before + 11
+    assert REGISTRY.get_sample_value("vllm:num_requests_running", labels) == 3
+    assert held.held == 0
+    # At most a batch is held, without any scrape.
+    for step in range(1, 2 * HELD_PROMETHEUS_STEPS + 1):
+        held.record(scheduler_stats(0, 0, 1, 1), None)
+        assert held.held == step % HELD_PROMETHEUS_STEPS

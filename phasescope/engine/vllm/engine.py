@@ -21,7 +21,7 @@ from typing import Any
 
 from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
-from phasescope.engine.vllm.stats import stat_logger_factory
+from phasescope.engine.vllm.stats import HeldPrometheusStatLogger, stat_logger_factory
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
@@ -206,7 +206,10 @@ class VllmEngine:
             enable_logging_iteration_details=True,
             enable_mfu_metrics=True,
         )
-        llm = AsyncLLM.from_engine_args(engine_args, stat_loggers=[stat_logger_factory(steps)])
+        # vLLM's own series too, its reports held (vLLM adds its default Prometheus logger only without one).
+        llm = AsyncLLM.from_engine_args(
+            engine_args, stat_loggers=[stat_logger_factory(steps), HeldPrometheusStatLogger]
+        )
         try:
             model_config = llm.model_config
             hf_config = model_config.hf_config.to_dict()

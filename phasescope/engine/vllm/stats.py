@@ -1,5 +1,6 @@
 """A vLLM stat logger that turns each engine step into a `phasescope.telemetry.step.records.StepRecord`
-and each output batch's per-token latencies into a `phasescope.telemetry.step.records.EngineIteration`.
+and each output batch's per-token latencies into a `phasescope.telemetry.step.records.EngineIteration`;
+and vLLM's own Prometheus logger with its reports held (`HeldPrometheusStatLogger`).
 
 `SchedulerStats` is documented by vLLM as an unstable interface: this module
 is the only reader of it. It needs the engine started with
@@ -9,11 +10,16 @@ and `enable_mfu_metrics` (vLLM's analytic FLOPs and bytes of the step).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import weakref
+from collections.abc import Callable, Iterator
 from typing import Any
 
+from prometheus_client import REGISTRY
+from prometheus_client.core import Metric
+from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
-from vllm.v1.metrics.loggers import StatLoggerBase
+from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
@@ -126,3 +132,82 @@ def stat_logger_factory(forward: StepForwarder) -> Callable[[VllmConfig, int], A
         return PhasescopeStatLogger(vllm_config, engine_index, forward, engines)
 
     return make
+
+
+HELD_PROMETHEUS_STEPS = 32
+"""Stats updates vLLM's Prometheus logger is handed at a time (`HeldPrometheusStatLogger`)."""
+
+
+class HeldPrometheusStatLogger(PrometheusStatLogger):
+    """vLLM's own `vllm:` series, exactly as its `PrometheusStatLogger` keeps them, with its reports held.
+
+    vLLM's logger sets a dozen gauges and counters, each behind a lock, and observes its histograms for
+    every stats update (every engine step); run between the output processor's passes, that is one of
+    the front end's largest costs per step. Held and handed on `HELD_PROMETHEUS_STEPS` at a time, the
+    same calls run with their caches warm. Every scrape of the registry hands on what is held first
+    (`_HandOnHeld`, registered before vLLM's series), so a reader never sees the series late. vLLM
+    takes a custom Prometheus logger in `AsyncLLM(stat_loggers=[...])` in place of its default one.
+    """
+
+    def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
+        self._held: list[tuple[SchedulerStats | None, IterationStats | None, MultiModalCacheStats | None, int]] = []
+        self._held_lock = threading.Lock()
+        _HAND_ON_HELD.add(self)
+        super().__init__(vllm_config, engine_indexes)
+
+    def record(
+        self,
+        scheduler_stats: SchedulerStats | None,
+        iteration_stats: IterationStats | None,
+        mm_cache_stats: MultiModalCacheStats | None = None,
+        engine_idx: int = 0,
+    ) -> None:
+        with self._held_lock:
+            self._held.append((scheduler_stats, iteration_stats, mm_cache_stats, engine_idx))
+            if len(self._held) < HELD_PROMETHEUS_STEPS:
+                return
+            self._hand_on()
+
+    @property
+    def held(self) -> int:
+        """Reports held now."""
+        return len(self._held)
+
+    def hand_on(self) -> None:
+        """Hand every held report to vLLM's logger, in order."""
+        with self._held_lock:
+            self._hand_on()
+
+    def _hand_on(self) -> None:
+        held, self._held = self._held, []
+        for scheduler_stats, iteration_stats, mm_cache_stats, engine_idx in held:
+            super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
+
+    def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
+        self.hand_on()
+        super().record_sleep_state(sleep, level)
+
+
+class _HandOnHeld(Collector):
+    """Collects nothing: hands on what every live `HeldPrometheusStatLogger` holds, before the registry
+    collects vLLM's series (it is registered first, and the registry collects in registration order)."""
+
+    def __init__(self) -> None:
+        self._loggers: weakref.WeakSet[HeldPrometheusStatLogger] = weakref.WeakSet()
+        self._registered = False
+        self._lock = threading.Lock()
+
+    def add(self, logger: HeldPrometheusStatLogger) -> None:
+        with self._lock:
+            if not self._registered:
+                REGISTRY.register(self)
+                self._registered = True
+            self._loggers.add(logger)
+
+    def collect(self) -> Iterator[Metric]:
+        for logger in list(self._loggers):
+            logger.hand_on()
+        return iter(())
+
+
+_HAND_ON_HELD = _HandOnHeld()
