@@ -54,8 +54,8 @@ from phasescope.telemetry.step.verdict import HeadroomLimits
 logger = logging.getLogger(__name__)
 
 ENGINE_WATCH_INTERVAL_SECONDS = 1.0
-# The engine's step reports handed on together (about 32 steps: a step makes up to three); every reader
-# (a scrape, WatchTelemetry, GetLoads) hands on what is held before it reads (StepAggregator).
+# The engine's step reports handed on together (one per stats update, `StepForwarder.report`: 96 steps);
+# every reader (a scrape, WatchTelemetry, GetLoads) hands on what is held before it reads (StepAggregator).
 STEP_REPORT_BATCH = 96
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # gRPC allows 4 MiB requests by default; a context window of text fits easily.
