@@ -12,7 +12,8 @@ its calls, microseconds per call and seconds in all:
 then load it with `phasescope bench --vllm-grpc-address 127.0.0.1:PORT --model DIR ...` and stop it
 (SIGTERM or Ctrl-C; a SIGUSR1 once it is up leaves start-up out of the report). Timed: vLLM's
 `OutputProcessor.process_outputs` and `StatLoggerManager.record` (every stat logger of a step), its
-`PrometheusStatLogger.record`, and where phasescope runs,
+`PrometheusStatLogger.record` (in phasescope, each held update as it is handed on:
+`phasescope.engine.vllm.stats.HeldPrometheusStatLogger`), and where phasescope runs,
 `PhasescopeStatLogger.record` (its whole step telemetry) and `RequestLifecycle.took` (once per
 request per step), and every garbage collection by generation (in either server). Each timer reads
 the clock twice, about a microsecond, so nested timers are left out: each figure is one call's whole

@@ -10,8 +10,10 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   interference, step series).
 - `bare-took`: `RequestLifecycle.took` keeps only the sample's token count and stamps (no
   interference read, no token counter).
-- `held-vllm-prometheus`: vLLM's own `PrometheusStatLogger` is handed 32 steps' reports at a time
-  (the series lag by up to 32 steps: a diagnostic only).
+
+(A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
+time; the server now does that itself, and hands them on before every scrape:
+`phasescope.engine.vllm.stats.HeldPrometheusStatLogger`.)
 
     PHASESCOPE_WHAT_IF=no-step-telemetry,bare-took .venv/bin/python -m loadtests.front_end_what_if serve ...
 
@@ -25,8 +27,7 @@ import os
 import sys
 from typing import Any
 
-CUTS = ("no-step-telemetry", "bare-took", "held-vllm-prometheus")
-HELD_STEPS = 32
+CUTS = ("no-step-telemetry", "bare-took")
 
 
 def _no_step_telemetry() -> None:
@@ -52,24 +53,6 @@ def _bare_took() -> None:
     RequestLifecycle.took = took  # type: ignore[method-assign]  # the cut being measured
 
 
-def _held_vllm_prometheus() -> None:
-    from vllm.v1.metrics.loggers import PrometheusStatLogger
-
-    original = PrometheusStatLogger.record
-
-    def record(
-        self: Any, scheduler_stats: Any, iteration_stats: Any, mm_cache_stats: Any = None, engine_idx: int = 0
-    ) -> None:
-        held = self.__dict__.setdefault("_phasescope_held", [])
-        held.append((scheduler_stats, iteration_stats, mm_cache_stats, engine_idx))
-        if len(held) >= HELD_STEPS:
-            self._phasescope_held = []
-            for scheduler, iteration, mm_cache, engine in held:
-                original(self, scheduler, iteration, mm_cache_stats=mm_cache, engine_idx=engine)
-
-    PrometheusStatLogger.record = record  # type: ignore[method-assign]  # the cut being measured
-
-
 def main() -> int:
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
@@ -78,7 +61,6 @@ def main() -> int:
     patches = {
         "no-step-telemetry": _no_step_telemetry,
         "bare-took": _bare_took,
-        "held-vllm-prometheus": _held_vllm_prometheus,
     }
     for cut in cuts:
         patches[cut]()
