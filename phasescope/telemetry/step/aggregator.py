@@ -204,10 +204,7 @@ class StepAggregator:
             with self._held_lock:
                 held, self._held = self._held, []
             for deliver, at, report in held:
-                try:
-                    deliver(*report, at=at)
-                except Exception as exc:  # a report that cannot be aggregated costs that report only
-                    self._on_error("step", exc)
+                self._contained(deliver, report, at)
             for sink in self._sinks:
                 try:
                     sink.flushed()
@@ -218,18 +215,18 @@ class StepAggregator:
         self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None, at: float
     ) -> None:
         # Each part as if handed on alone: one that cannot be aggregated costs that part only.
-        parts: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         if iteration is not None:
-            parts.append((self._record_iteration, (iteration,)))
+            self._contained(self._record_iteration, (iteration,), at)
         if queue is not None:
-            parts.append((self._record_queue, queue))
+            self._contained(self._record_queue, queue, at)
         if step is not None:
-            parts.append((self._record, (step,)))
-        for deliver, report in parts:
-            try:
-                deliver(*report, at=at)
-            except Exception as exc:
-                self._on_error("step", exc)
+            self._contained(self._record, (step,), at)
+
+    def _contained(self, deliver: Callable[..., None], report: tuple[object, ...], at: float) -> None:
+        try:
+            deliver(*report, at=at)
+        except Exception as exc:  # a report that cannot be aggregated costs that report only
+            self._on_error("step", exc)
 
     def _record(self, step: StepRecord, at: float) -> None:
         """A step made at `at` (its interference entry was made when it came)."""

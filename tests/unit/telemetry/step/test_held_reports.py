@@ -130,6 +130,24 @@ def test_a_report_held_long_counts_at_the_time_it_was_made() -> None:
     assert recent.figures(60.0).inter_token_samples == 2
 
 
+def exported_beside(
+    sink: StepSink, failures: list[tuple[str, BaseException]], batch: int
+) -> tuple[StepAggregator, CollectorRegistry]:
+    """An aggregator with `sink` before the Prometheus export, its contained errors kept in `failures`."""
+    aggregator = StepAggregator(
+        COST,
+        "float32",
+        PEAKS,
+        clock=FakeClock(),
+        sinks=(sink,),
+        batch_reports=batch,
+        on_error=lambda where, exc: failures.append((where, exc)),
+    )
+    registry = CollectorRegistry()
+    StepMetrics("m", aggregator, registry)
+    return aggregator, registry
+
+
 def test_a_held_report_that_fails_costs_that_report_only() -> None:
     failures: list[tuple[str, BaseException]] = []
 
@@ -138,17 +156,7 @@ def test_a_held_report_that_fails_costs_that_report_only() -> None:
             if step.decode_requests == 3:
                 raise RuntimeError("a sink's defect")
 
-    aggregator = StepAggregator(
-        COST,
-        "float32",
-        PEAKS,
-        clock=FakeClock(),
-        sinks=(Failing(),),
-        batch_reports=96,
-        on_error=lambda where, exc: failures.append((where, exc)),
-    )
-    registry = CollectorRegistry()
-    StepMetrics("m", aggregator, registry)
+    aggregator, registry = exported_beside(Failing(), failures, batch=96)
     for batch in (2, 3, 2):
         aggregator.record(StepRecord(0, 0, 0, batch, batch, 0.05))
     exposition(registry)  # a scrape hands them on, and still answers
@@ -197,16 +205,7 @@ def test_a_part_of_one_report_that_fails_costs_that_part_only() -> None:
         def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
             raise RuntimeError("a sink's defect")
 
-    aggregator = StepAggregator(
-        COST,
-        "float32",
-        PEAKS,
-        clock=FakeClock(),
-        sinks=(Failing(),),
-        on_error=lambda where, exc: failures.append((where, exc)),
-    )
-    registry = CollectorRegistry()
-    StepMetrics("m", aggregator, registry)
+    aggregator, registry = exported_beside(Failing(), failures, batch=1)
     aggregator.record_report(EngineIteration(0, (0.02,), 0), (0, 2, 1, 0.5, 0, "slot"), StepRecord(0, 0, 0, 2, 2, 0.05))
     assert [where for where, _ in failures] == ["step"]
     # The queue state and the step still count.
