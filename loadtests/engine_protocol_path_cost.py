@@ -174,6 +174,7 @@ def phasescope_handler(llm: FakeLLM) -> Any:
     from phasescope.engine.base import ModelDescription
     from phasescope.engine.vllm.engine import VllmEngine
     from phasescope.serve.admission import Admission
+    from phasescope.serve.app import REQUEST_RECORD_HOLD_SECONDS
     from phasescope.serve.engine_protocol.servicer import VllmEngineServicer
     from phasescope.serve.lifecycle import RequestPath
     from phasescope.telemetry.live import RecentLatencies
@@ -187,11 +188,15 @@ def phasescope_handler(llm: FakeLLM) -> Any:
         pipeline_parallel_size=1, cost=model_cost_from_numbers(1_000_000, "float32"), on_cpu=True,
     )  # fmt: skip
     engine = VllmEngine(llm, description)
-    observers = ObserverGroup([PrometheusRequestObserver(CollectorRegistry(), "m"), RecentLatencies()])
+    # Held as the server holds them; handed on before the CPU is read (`measure`).
+    observers = ObserverGroup(
+        [PrometheusRequestObserver(CollectorRegistry(), "m"), RecentLatencies()],
+        hold_seconds=REQUEST_RECORD_HOLD_SECONDS,
+    )
     path = RequestPath(observers, Admission(4096, 4096), "m")
     path.engine = engine
     servicer = VllmEngineServicer(path)
-    return servicer.Generate  # it maps its own errors (`maps_own_errors`)
+    return servicer.Generate, observers.hand_on  # it maps its own errors (`maps_own_errors`)
 
 
 def vllm_handler(llm: FakeLLM) -> Any:
@@ -201,7 +206,7 @@ def vllm_handler(llm: FakeLLM) -> Any:
     servicer.engine = llm
     servicer._loads = smg.LoadTracker(rank_of=lambda request_id: smg._routed_rank(llm, request_id))
     servicer._mm_processor = None
-    return servicer.Generate
+    return servicer.Generate, lambda: None
 
 
 async def _one(handler: Any, request: pb.GenerateRequest) -> int:
@@ -215,7 +220,7 @@ async def _one(handler: Any, request: pb.GenerateRequest) -> int:
 async def measure(name: str, requests: int, max_tokens: int, concurrency: int) -> dict[str, float]:
     clock = _Clock()
     llm = FakeLLM(clock, max_tokens)
-    handler = phasescope_handler(llm) if name == "phasescope" else vllm_handler(llm)
+    handler, hand_on = phasescope_handler(llm) if name == "phasescope" else vllm_handler(llm)
     pending = [_request(i, max_tokens) for i in range(requests)]
 
     async def worker() -> None:
@@ -227,6 +232,7 @@ async def measure(name: str, requests: int, max_tokens: int, concurrency: int) -
     ticker = asyncio.create_task(clock.run(done))
     cpu, wall = time.process_time(), time.perf_counter()
     await asyncio.gather(*(worker() for _ in range(concurrency)))
+    hand_on()  # what is still held is part of the cost
     cpu, wall = time.process_time() - cpu, time.perf_counter() - wall
     done.set_result(None)
     await ticker

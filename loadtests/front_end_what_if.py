@@ -10,6 +10,8 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   interference, step series).
 - `bare-took`: `RequestLifecycle.took` keeps only the sample's token count and stamps (no
   interference read, no token counter).
+- `no-request-records`: no first-token or end-of-request record is built or observed (no request,
+  phase or TTFT series, no recent latencies, no traces or request logs).
 
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
@@ -27,7 +29,7 @@ import os
 import sys
 from typing import Any
 
-CUTS = ("no-step-telemetry", "bare-took")
+CUTS = ("no-step-telemetry", "bare-took", "no-request-records")
 
 
 def _no_step_telemetry() -> None:
@@ -53,6 +55,16 @@ def _bare_took() -> None:
     RequestLifecycle.took = took  # type: ignore[method-assign]  # the cut being measured
 
 
+def _no_request_records() -> None:
+    from phasescope.serve.lifecycle import RequestLifecycle
+
+    def nothing(self: RequestLifecycle, *args: Any) -> None:
+        return None
+
+    RequestLifecycle._report_first_token = nothing  # type: ignore[method-assign,assignment]  # the cut being measured
+    RequestLifecycle._end = nothing  # type: ignore[method-assign,assignment]
+
+
 def main() -> int:
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
@@ -61,6 +73,7 @@ def main() -> int:
     patches = {
         "no-step-telemetry": _no_step_telemetry,
         "bare-took": _bare_took,
+        "no-request-records": _no_request_records,
     }
     for cut in cuts:
         patches[cut]()

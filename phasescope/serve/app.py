@@ -57,6 +57,10 @@ ENGINE_WATCH_INTERVAL_SECONDS = 1.0
 # The engine's step reports handed on together (one per stats update, `StepForwarder.report`: 96 steps);
 # every reader (a scrape, WatchTelemetry, GetLoads) hands on what is held before it reads (StepAggregator).
 STEP_REPORT_BATCH = 96
+# Each request's first-token and end records are held this long for the Prometheus series and the live
+# view (ObserverGroup), so a wave of new requests reaches the engine before the last wave's records are
+# observed; a scrape or a live view hands them on before it reads.
+REQUEST_RECORD_HOLD_SECONDS = 0.05
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # gRPC allows 4 MiB requests by default; a context window of text fits easily.
 MAX_MESSAGE_BYTES = 16 * 2**20
@@ -144,8 +148,9 @@ class Server:
         admission = Admission(
             settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client
         )
+        records = ObserverGroup(observers, on_error=telemetry_errors, hold_seconds=REQUEST_RECORD_HOLD_SECONDS)
         path = RequestPath(
-            ObserverGroup(observers, on_error=telemetry_errors),
+            records,
             admission,
             model_name,
             trace_id=tracing.trace_id if tracing is not None else lambda: None,
@@ -270,6 +275,7 @@ class Server:
         finally:
             await self.health.enter_graceful_shutdown()
             await server.stop(grace=1.0)
+            records.hand_on()  # what the last requests left held
             gc.unfreeze()  # the engine's startup objects become collectable again as it closes
             if self._engine is not None:
                 logger.info("stopping the engine")

@@ -74,6 +74,10 @@ class _Recent:
         return [value for at, batch in self._batches if at >= start for value in batch]
 
 
+def _nothing() -> None:
+    """No records are held."""
+
+
 class RecentLatencies(StepSink):
     """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies, and a
     sink of the engine's steps for their inter-token gaps. Thread-safe: the engine's stat logger and the
@@ -89,6 +93,11 @@ class RecentLatencies(StepSink):
         self._decode = _Recent(clock)
         self.rejected = 0
         """Requests refused before the engine, since start (a watcher diffs it)."""
+        self._hand_on: Callable[[], None] = _nothing
+
+    def read_after(self, hand_on: Callable[[], None]) -> None:
+        """Its records are held (`ObserverGroup`): `figures` calls `hand_on` first."""
+        self._hand_on = hand_on
 
     def request_started(self, model: str) -> None:
         pass
@@ -128,6 +137,7 @@ class RecentLatencies(StepSink):
             self._itl.extend(iteration.inter_token_seconds, at)
 
     def figures(self, window_seconds: float) -> LatencyFigures:
+        self._hand_on()
         start = self._clock() - window_seconds
         with self._lock:
             ttft = self._ttft.since(start)
