@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
 from typing import Any
@@ -24,7 +23,13 @@ from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.interceptors import maps_own_errors, status_on_error
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
+from phasescope.serve.lifecycle import (
+    RequestLifecycle,
+    RequestPath,
+    ServicerContext,
+    new_engine_request_id,
+    tokenize_off_loop,
+)
 from phasescope.serve.timings import timings_message
 from phasescope.serve.validation import (
     UndecodableRequest,
@@ -161,7 +166,7 @@ class InferenceServicer:
         )
         # The engine's id is always ours: client ids may collide. Nothing reaches the
         # engine until the steps are iterated; sampling it refuses raises here.
-        engine_request_id = uuid.uuid4().hex
+        engine_request_id = new_engine_request_id()
         steps = engine.generate(engine_request_id, prompt_token_ids, sampling)
         # The proto promises an id: the client's, or the engine's when it sent none.
         request_id = request.request_id or engine_request_id

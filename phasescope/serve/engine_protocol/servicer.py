@@ -16,7 +16,6 @@ UNIMPLEMENTED naming themselves; the gateway tells them from failures.
 from __future__ import annotations
 
 import time
-import uuid
 from collections.abc import AsyncGenerator, Iterator, Sequence
 from contextlib import aclosing, contextmanager
 from datetime import UTC, datetime
@@ -34,7 +33,13 @@ from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, 
 from phasescope.serve.engine_protocol.loads import scheduler_loads
 from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
 from phasescope.serve.interceptors import maps_own_errors, status_on_error
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, ServicerContext, tokenize_off_loop
+from phasescope.serve.lifecycle import (
+    RequestLifecycle,
+    RequestPath,
+    ServicerContext,
+    new_engine_request_id,
+    tokenize_off_loop,
+)
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder, truncate_prompt
 from phasescope.serve.watch import TelemetrySource
@@ -95,7 +100,7 @@ class VllmEngineServicer:
                 check_prompt_length(len(prompt), engine.limits, "tokenized.input_ids")
                 sampling = build_sampling(asked.sampling, len(prompt), engine.limits)
                 # The engine's id is ours (gateway ids may collide across gateways); Abort maps them.
-                engine_request_id = uuid.uuid4().hex
+                engine_request_id = new_engine_request_id()
                 steps = engine.generate(engine_request_id, prompt, sampling)
                 parameters = RequestParameters(
                     max_tokens=sampling.max_tokens,

@@ -21,7 +21,7 @@ import asyncio
 import threading
 from collections import deque
 from collections.abc import Callable, Iterable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 
@@ -92,8 +92,9 @@ class ObserverGroup:
         for observer in self._held_observers:
             assert isinstance(observer, HoldsRecords)
             observer.read_after(self.hand_on)
-        # (method name, record), oldest first: appended on the event loop, taken by whoever hands on.
-        self._held: deque[tuple[str, object]] = deque()
+        # (method name, record or what builds it, whether it is built yet), oldest first: appended on the
+        # event loop, taken by whoever hands on.
+        self._held: deque[tuple[str, Any, bool]] = deque()
         self._delivery = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
@@ -113,13 +114,13 @@ class ObserverGroup:
             except Exception as exc:
                 self._on_error("observer", exc)
 
-    def _hold(self, method: str, record: object) -> None:
+    def _hold(self, method: str, record: object, built: bool = True) -> None:
         if not self._held_observers:
             self._call(self._observers, method, (record,))
             return
         if self._direct_observers:
             self._call(self._direct_observers, method, (record,))
-        self._held.append((method, record))
+        self._held.append((method, record, built))
         if len(self._held) >= MAX_HELD_RECORDS:
             self.hand_on()
             return
@@ -142,7 +143,13 @@ class ObserverGroup:
         with self._delivery:
             held = self._held
             while held:
-                method, record = held.popleft()
+                method, record, built = held.popleft()
+                if not built:
+                    try:
+                        record = record()
+                    except Exception as exc:  # a record that cannot be built costs that record only
+                        self._on_error("observer", exc)
+                        continue
                 self._call(self._held_observers, method, (record,))
 
     def request_started(self, model: str) -> None:
@@ -160,6 +167,19 @@ class ObserverGroup:
 
     def request_finished(self, record: PhaseRecord) -> None:
         self._hold("request_finished", record)
+
+    def request_finished_later(self, build: Callable[[], PhaseRecord]) -> None:
+        """An ended request's record, built only when it is handed on if every observer holds records
+        (building it is most of what a request's end costs); built now when any observer takes it at once."""
+        if self._direct_observers or not self._held_observers:
+            try:
+                record = build()
+            except Exception as exc:
+                self._on_error("observer", exc)
+                return
+            self.request_finished(record)
+            return
+        self._hold("request_finished", build, built=False)
 
     def request_rejected(self, model: str, reason: str) -> None:
         self._fan_out("request_rejected", model, reason)

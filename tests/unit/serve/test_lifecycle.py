@@ -12,7 +12,7 @@ import pytest
 from phasescope.engine.base import EngineStep
 from phasescope.errors import InvalidRequestError, OverloadedError
 from phasescope.serve.admission import Admission
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath
+from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, new_engine_request_id
 from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
 
 
@@ -197,3 +197,9 @@ async def test_text_is_kept_only_when_capture_is_on() -> None:
         assert (text is not None) is capture
         if text is not None:
             assert (text.prompt, text.output) == ("the prompt", "x")
+
+
+def test_engine_request_ids_never_repeat_and_read_as_a_uuid_s_hex() -> None:
+    ids = [new_engine_request_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)

@@ -217,3 +217,53 @@ def test_a_scrape_from_another_thread_while_requests_end_loses_no_record() -> No
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 2000
     assert registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL}) == 2000
     assert registry.get_sample_value("phasescope_requests_in_flight", {"model": MODEL}) == 0
+
+
+def test_an_ended_request_s_record_is_built_only_when_it_is_handed_on() -> None:
+    kept = Kept()
+    group = ObserverGroup([kept], hold_seconds=60.0)
+    built: list[PhaseRecord] = []
+
+    def build() -> PhaseRecord:
+        built.append(record())
+        return built[-1]
+
+    async def serve() -> int:
+        group.request_finished_later(build)
+        return len(built)
+
+    assert asyncio.run(serve()) == 0
+    kept.hand_on()
+    assert len(built) == 1
+    assert kept.seen == ["finished"]
+
+
+def test_an_ended_request_s_record_is_built_at_once_for_an_observer_that_takes_it_at_once() -> None:
+    spans, kept = Spans(), Kept()
+    group = ObserverGroup([spans, kept], hold_seconds=60.0)
+
+    async def serve() -> None:
+        group.request_finished_later(record)
+
+    asyncio.run(serve())
+    assert spans.seen == ["finished"]
+    kept.hand_on()
+    assert kept.seen == ["finished"]
+
+
+def test_a_record_that_cannot_be_built_costs_that_record_only() -> None:
+    registry = CollectorRegistry()
+    errors = TelemetryErrors(MODEL, registry)
+    group = ObserverGroup([PrometheusRequestObserver(registry)], on_error=errors, hold_seconds=60.0)
+
+    def broken() -> PhaseRecord:
+        raise RuntimeError("broken")
+
+    async def serve() -> None:
+        group.request_finished_later(broken)
+        group.request_finished_later(record)
+
+    asyncio.run(serve())
+    assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 1
+    failures = {"model": MODEL, "component": "observer"}
+    assert registry.get_sample_value("phasescope_telemetry_errors_total", failures) == 1
