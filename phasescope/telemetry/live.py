@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from phasescope.telemetry.held import nothing_held
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 from phasescope.telemetry.step.aggregator import StepSink
 from phasescope.telemetry.step.records import EngineIteration
@@ -74,10 +75,6 @@ class _Recent:
         return [value for at, batch in self._batches if at >= start for value in batch]
 
 
-def _nothing() -> None:
-    """No records are held."""
-
-
 class RecentLatencies(StepSink):
     """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies, and a
     sink of the engine's steps for their inter-token gaps. Thread-safe: the engine's stat logger and the
@@ -93,7 +90,7 @@ class RecentLatencies(StepSink):
         self._decode = _Recent(clock)
         self.rejected = 0
         """Requests refused before the engine, since start (a watcher diffs it)."""
-        self._hand_on: Callable[[], None] = _nothing
+        self._hand_on: Callable[[], None] = nothing_held
 
     def read_after(self, hand_on: Callable[[], None]) -> None:
         """Its records are held (`ObserverGroup`): `figures` calls `hand_on` first."""

@@ -87,11 +87,11 @@ class ObserverGroup:
         )
         self._hold_seconds = hold_seconds
         holding = hold_seconds > 0.0
-        self._held_observers = tuple(o for o in self._observers if holding and isinstance(o, HoldsRecords))
+        holders = [o for o in self._observers if holding and isinstance(o, HoldsRecords)]
+        for holder in holders:
+            holder.read_after(self.hand_on)
+        self._held_observers: tuple[RequestObserver, ...] = tuple(holders)
         self._direct_observers = tuple(o for o in self._observers if o not in self._held_observers)
-        for observer in self._held_observers:
-            assert isinstance(observer, HoldsRecords)
-            observer.read_after(self.hand_on)
         # (method name, record or what builds it, whether it is built yet), oldest first: appended on the
         # event loop, taken by whoever hands on.
         self._held: deque[tuple[str, Any, bool]] = deque()

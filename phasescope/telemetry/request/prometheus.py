@@ -17,6 +17,7 @@ from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasescope.telemetry.held import HandOnFirst
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import FRONTEND, INTAKE, STAGES
@@ -72,27 +73,12 @@ class TokenCounts(Collector):
         yield family
 
 
-class _HeldRecordsFirst(Collector):
-    """Collects nothing: hands on the records an `ObserverGroup` holds for these series, so the series a
-    scrape collects after it (it is registered before them) count every request so far."""
-
-    def __init__(self) -> None:
-        self.hand_on: Callable[[], None] = _nothing
-
-    def collect(self) -> Iterator[Metric]:
-        self.hand_on()
-        return iter(())
-
-
-def _nothing() -> None:
-    """No records are held."""
-
-
 class PrometheusRequestObserver:
     def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
         """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
         its expression evaluates before the first request has missed or even run."""
-        self._held_first = _HeldRecordsFirst()
+        # Before the series below: a scrape hands on the records an `ObserverGroup` holds for them first.
+        self._held_first = HandOnFirst()
         registry.register(self._held_first)
         # Labelled children by (metric, *labels): `labels()` costs ~2.5 µs, a dozen times per request.
         self._children: dict[tuple[object, ...], Any] = {}

@@ -17,6 +17,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasescope.telemetry.held import HandOnFirst
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, StepRecord
@@ -52,25 +53,13 @@ def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
         buckets[index].inc(int(counts[index]))
 
 
-class _HeldReportsFirst(Collector):
-    """Collects nothing: hands on the step reports the aggregator holds (`batch_reports`), so the counters and
-    gauges that a scrape collects after it count every step so far."""
-
-    def __init__(self, steps: StepAggregator) -> None:
-        self._steps = steps
-
-    def collect(self) -> Iterator[Metric]:
-        self._steps.flush_reports()
-        return iter(())
-
-
 class StepMetrics(StepSink, Collector):
     """The aggregated steps as Prometheus series: counters as each report arrives, the window's
     gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
     def __init__(self, model: str, steps: StepAggregator, registry: CollectorRegistry) -> None:
         # Before the counters below: a scrape collects in registration order, and hands on what is held first.
-        registry.register(_HeldReportsFirst(steps))
+        registry.register(HandOnFirst(steps.flush_reports))
         self._model = model
         self._steps = steps
         self._peaks = steps.peaks
