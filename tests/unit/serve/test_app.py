@@ -138,22 +138,42 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypa
 
 def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
     factory = Factory()
+    before = gc.get_threshold()
 
-    async def scenario() -> tuple[bool, int]:
+    async def scenario() -> tuple[bool, int, int]:
         async with serving(factory) as (server, running, _):
             # A full collection now skips everything alive at start-up.
             tracked = {id(o) for o in gc.get_objects()}
             start_up_held_back = id(factory.engine) not in tracked and gc.get_freeze_count() > 0
+            young = gc.get_threshold()[0]
             server.request_stop()
             code = await running
-        return start_up_held_back, code
+        return start_up_held_back, young, code
 
     try:
-        held_back, code = asyncio.run(scenario())
+        held_back, young, code = asyncio.run(scenario())
         assert code == 0
         assert held_back
-        # Stopped: the engine's objects are collectable again (an engine closed in-process is freed).
+        # While serving, the youngest generation waits for 50 objects per running request (64 by default).
+        assert young == 3200
+        # Stopped: the engine's objects are collectable again (an engine closed in-process is freed), and
+        # Python's threshold is back.
         assert gc.get_freeze_count() == 0
+        assert gc.get_threshold() == before
         assert any(o is factory.engine for o in gc.get_objects())
     finally:
         gc.unfreeze()
+        gc.set_threshold(*before)
+
+
+@pytest.mark.parametrize(
+    ("flags", "threshold"),
+    [
+        ([], 3200),
+        (["--max-concurrent-requests", "8"], 700),
+        (["--max-concurrent-requests", "128", "--data-parallel-size", "2"], 12800),
+        (["--gc-young-threshold", "20000"], 20000),
+    ],
+)
+def test_the_youngest_generation_waits_for_a_batch_of_outputs(flags: list[str], threshold: int) -> None:
+    assert parse_settings(flags, environ={}).effective_gc_young_threshold == threshold
