@@ -7,6 +7,8 @@ in registration order), makes every scrape count all of them.
 
 from __future__ import annotations
 
+import asyncio
+import threading
 from collections.abc import Callable, Iterator
 
 from prometheus_client.metrics_core import Metric
@@ -15,6 +17,38 @@ from prometheus_client.registry import Collector
 
 def nothing_held() -> None:
     """Hands on nothing: nothing is held."""
+
+
+class HandOnSoon:
+    """Runs `hand_on` once the event loop has run what is ready now, instead of at once.
+
+    A batch of held reports fills up in vLLM's output handler, right after it has handed an engine step's
+    outputs to their requests and before any of them has written its chunk: handed on there, the batch
+    (milliseconds of work) would make every stream of that step wait. Called with the loop's ready
+    callbacks queued first, it runs after those chunks are written. Off the event loop (no loop running
+    in the calling thread) it runs at once. Asked again before it ran, it runs once."""
+
+    def __init__(self, hand_on: Callable[[], None]) -> None:
+        self._hand_on = hand_on
+        self._lock = threading.Lock()
+        self._pending = False
+
+    def __call__(self) -> None:
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._hand_on()
+            return
+        with self._lock:
+            if self._pending:
+                return
+            self._pending = True
+        loop.call_soon(self._run)
+
+    def _run(self) -> None:
+        with self._lock:
+            self._pending = False
+        self._hand_on()
 
 
 class HandOnFirst(Collector):

@@ -1,5 +1,6 @@
 """The stat logger at vLLM's boundary: vLLM's own stats objects in, step reports out, nothing raised back."""
 
+import asyncio
 from types import SimpleNamespace
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -169,3 +170,21 @@ def test_vllm_series_are_whole_at_every_scrape_while_their_reports_are_held() ->
     for step in range(1, 2 * HELD_PROMETHEUS_STEPS + 1):
         held.record(scheduler_stats(0, 0, 1, 1), None)
         assert held.held == step % HELD_PROMETHEUS_STEPS
+
+
+def test_on_the_event_loop_vllm_series_are_handed_on_after_what_the_loop_has_ready() -> None:
+    # The output handler fills the batch right after it woke the step's requests: their chunks go first.
+    config = EngineArgs(model=str(ensure_tiny_model()), enforce_eager=True, max_model_len=256).create_engine_config()
+    held = HeldPrometheusStatLogger(config, [0])
+    seen: list[int] = []
+
+    async def scenario() -> None:
+        asyncio.get_running_loop().call_soon(lambda: seen.append(held.held))
+        for _ in range(HELD_PROMETHEUS_STEPS):
+            held.record(scheduler_stats(0, 0, 1, 1), None)
+        seen.append(held.held)
+        await asyncio.sleep(0)
+        seen.append(held.held)
+
+    asyncio.run(scenario())
+    assert seen == [HELD_PROMETHEUS_STEPS, HELD_PROMETHEUS_STEPS, 0]

@@ -22,6 +22,7 @@ from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
+from phasescope.telemetry.held import HandOnSoon
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 from phasescope.telemetry.step.window import wait_reason
 
@@ -144,7 +145,8 @@ class HeldPrometheusStatLogger(PrometheusStatLogger):
     vLLM's logger sets a dozen gauges and counters, each behind a lock, and observes its histograms for
     every stats update (every engine step); run between the output processor's passes, that is one of
     the front end's largest costs per step. Held and handed on `HELD_PROMETHEUS_STEPS` at a time, the
-    same calls run with their caches warm. Every scrape of the registry hands on what is held first
+    same calls run with their caches warm, once the step's chunks are written (`HandOnSoon`). Every scrape of
+    the registry hands on what is held first
     (`_HandOnHeld`, registered before vLLM's series), so a reader never sees the series late. vLLM
     takes a custom Prometheus logger in `AsyncLLM(stat_loggers=[...])` in place of its default one.
     """
@@ -152,6 +154,8 @@ class HeldPrometheusStatLogger(PrometheusStatLogger):
     def __init__(self, vllm_config: VllmConfig, engine_indexes: list[int] | None = None) -> None:
         self._held: list[tuple[SchedulerStats | None, IterationStats | None, MultiModalCacheStats | None, int]] = []
         self._held_lock = threading.Lock()
+        # A full batch is handed on after the step's chunks are written, not before them.
+        self._hand_on_soon = HandOnSoon(self.hand_on)
         _HAND_ON_HELD.add(self)
         super().__init__(vllm_config, engine_indexes)
 
@@ -166,7 +170,7 @@ class HeldPrometheusStatLogger(PrometheusStatLogger):
             self._held.append((scheduler_stats, iteration_stats, mm_cache_stats, engine_idx))
             if len(self._held) < HELD_PROMETHEUS_STEPS:
                 return
-            self._hand_on()
+        self._hand_on_soon()
 
     @property
     def held(self) -> int:

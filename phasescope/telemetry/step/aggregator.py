@@ -24,6 +24,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.held import HandOnSoon
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.step.attribution import StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
@@ -140,6 +141,8 @@ class StepAggregator:
         self._held_lock = threading.Lock()
         # One delivery at a time (the engine's thread, a scrape's, a watcher's), in order.
         self._delivery = threading.Lock()
+        # A full batch is handed on after the step's chunks are written, not before them.
+        self._flush_soon = HandOnSoon(self.flush_reports)
 
     def _attribute(self, step: StepRecord) -> StepCost:
         # Made at the first step: a device with no peak FLOP/s for the dtype fails each step, not the start.
@@ -196,7 +199,7 @@ class StepAggregator:
             self._held.append((deliver, self._clock(), report))
             full = len(self._held) >= self._batch
         if full:
-            self.flush_reports()
+            self._flush_soon()
 
     def flush_reports(self) -> None:
         """Hand on every held report, in order, each at the time it was made (readers call this first)."""

@@ -3,6 +3,7 @@ have seen had each report been handed on as it came."""
 
 from __future__ import annotations
 
+import asyncio
 import random
 
 import pytest
@@ -215,3 +216,27 @@ def test_a_part_of_one_report_that_fails_costs_that_part_only() -> None:
     assert (
         registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "decode"}) == 1
     )
+
+
+def test_on_the_event_loop_a_full_batch_is_handed_on_after_what_the_loop_has_ready() -> None:
+    # vLLM's output handler fills a batch right after it woke the step's requests: their chunks go first.
+    clock = FakeClock()
+    aggregator, _, _ = served(clock, 2)
+    seen: list[str] = []
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        loop.call_soon(lambda: seen.append(f"a request's chunk, {len(aggregator.window._recent)} steps handed on"))
+        aggregator.record(StepRecord(0, 0, 0, 2, 2, 0.05))
+        aggregator.record(StepRecord(0, 0, 0, 2, 2, 0.05))  # the batch is full
+        aggregator.record(StepRecord(0, 0, 0, 2, 2, 0.05))  # one more before it ran: handed on with it, once
+        seen.append(f"{len(aggregator.window._recent)} steps handed on in the output handler")
+        await asyncio.sleep(0)
+        seen.append(f"{len(aggregator.window._recent)} steps handed on once the loop ran")
+
+    asyncio.run(scenario())
+    assert seen == [
+        "0 steps handed on in the output handler",
+        "a request's chunk, 0 steps handed on",
+        "3 steps handed on once the loop ran",
+    ]
