@@ -2,7 +2,8 @@
 
 The step reports (`StepAggregator`) and the request records (`ObserverGroup`) are held for a moment
 and handed on in batches; `HandOnFirst`, registered before the series they feed (a registry collects
-in registration order), makes every scrape count all of them.
+in registration order), makes every scrape count all of them. A batch that fills up on the event loop
+is handed on once the loop has run what it had ready (`HandOnSoon`).
 """
 
 from __future__ import annotations
