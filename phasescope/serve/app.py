@@ -379,8 +379,7 @@ def freeze_startup_heap(young_threshold: int) -> tuple[int, int]:
     """
     gc.collect()
     gc.freeze()
-    replaced, *older = gc.get_threshold()
-    gc.set_threshold(young_threshold, *older)
+    replaced = _set_young_threshold(young_threshold)
     return gc.get_freeze_count(), replaced
 
 
@@ -388,8 +387,15 @@ def thaw_startup_heap(young_threshold: int) -> None:
     """The start-up objects collectable again (an engine's, as it closes), the youngest generation collected
     every `young_threshold` objects again."""
     gc.unfreeze()
-    _, *older = gc.get_threshold()
-    gc.set_threshold(young_threshold, *older)
+    _set_young_threshold(young_threshold)
+
+
+def _set_young_threshold(threshold: int) -> int:
+    """The youngest generation collected every `threshold` objects (the older ones as they were); the
+    threshold it replaced."""
+    replaced, *older = gc.get_threshold()
+    gc.set_threshold(threshold, *older)
+    return replaced
 
 
 def _pin_front_end() -> None:
