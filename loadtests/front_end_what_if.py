@@ -12,6 +12,8 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   interference read, no token counter).
 - `no-request-records`: no first-token or end-of-request record is built or observed (no request,
   phase or TTFT series, no recent latencies, no traces or request logs).
+- `no-status-interceptor`: the server runs without `ExceptionToStatusInterceptor` (as vLLM's worker runs
+  without any interceptor); Generate maps its own errors, other RPCs' errors would end as UNKNOWN.
 
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
@@ -29,7 +31,7 @@ import os
 import sys
 from typing import Any
 
-CUTS = ("no-step-telemetry", "bare-took", "no-request-records")
+CUTS = ("no-step-telemetry", "bare-took", "no-request-records", "no-status-interceptor")
 
 
 def _no_step_telemetry() -> None:
@@ -65,6 +67,24 @@ def _no_request_records() -> None:
     RequestLifecycle._end = nothing  # type: ignore[method-assign,assignment]
 
 
+def _no_status_interceptor() -> None:
+    import grpc
+
+    from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+
+    server = grpc.aio.server
+
+    def without(**kwargs: Any) -> Any:
+        kept = [
+            each
+            for each in kwargs.pop("interceptors", None) or ()
+            if not isinstance(each, ExceptionToStatusInterceptor)
+        ]
+        return server(interceptors=kept or None, **kwargs)
+
+    grpc.aio.server = without  # type: ignore[assignment]  # the cut being measured
+
+
 def main() -> int:
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
@@ -74,6 +94,7 @@ def main() -> int:
         "no-step-telemetry": _no_step_telemetry,
         "bare-took": _bare_took,
         "no-request-records": _no_request_records,
+        "no-status-interceptor": _no_status_interceptor,
     }
     for cut in cuts:
         patches[cut]()

@@ -48,12 +48,30 @@ from phasescope.bench.targets import PhasescopeTarget, Target
 from phasescope.bench.workload import LengthDistribution, WorkloadSpec, derive_seed, workload
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 
-FIGURES = ("output_throughput", "median_tpot_ms", "median_ttft_ms", "frontend_cpu_seconds_per_1k_tokens")
+FIGURES = (
+    "output_throughput",
+    "median_tpot_ms",
+    "median_ttft_ms",
+    "frontend_cpu_seconds_per_1k_tokens",
+    "engine_core_cpu_seconds_per_1k_tokens",
+)
 
 
 def _cpu(pid: int) -> float:
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+def _engine_core_cpu(pid: int) -> float:
+    """CPU seconds of the server's engine-core processes (vLLM titles them `VLLM::EngineCore...`): the scheduler
+    shares the front end's CPUs under --pin-cpus, the model's worker does not."""
+    total = 0.0
+    for child in psutil.Process(pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            if "EngineCore" in " ".join(child.cmdline()):
+                times = child.cpu_times()
+                total += times.user + times.system
+    return total
 
 
 def _env(pairs: list[str]) -> dict[str, str]:
@@ -68,19 +86,20 @@ def _env(pairs: list[str]) -> dict[str, str]:
 
 async def _round(target: Target, pid: int, spec: WorkloadSpec, seed: int, args: argparse.Namespace) -> dict[str, Any]:
     requests = workload(spec, seed, args.requests)
-    before = _cpu(pid)
+    before, core_before = _cpu(pid), _engine_core_cpu(pid)
     if args.bursts:
         records, duration = await run_point(target, requests, concurrency=None, rate=None, seed=seed,
                                             progress=lambda: None, burst=args.bursts)  # fmt: skip
     else:
         records, duration = await run_point(target, requests, concurrency=args.concurrency, rate=None, seed=seed,
                                             progress=lambda: None)  # fmt: skip
-    cpu = _cpu(pid) - before
+    cpu, core = _cpu(pid) - before, _engine_core_cpu(pid) - core_before
     summary = summarize(records, duration)
     if not summary["total_output_tokens"]:
         errors = sorted({record.error for record in records if record.error})
         raise SystemExit(f"serve_ab: {target.name} streamed no token in a round: {'; '.join(errors) or 'no error'}")
     summary["frontend_cpu_seconds_per_1k_tokens"] = cpu / (summary["total_output_tokens"] / 1e3)
+    summary["engine_core_cpu_seconds_per_1k_tokens"] = core / (summary["total_output_tokens"] / 1e3)
     return {key: summary[key] for key in (*FIGURES, "total_output_tokens", "errors", "duration")}
 
 
@@ -104,6 +123,7 @@ async def _measure(
                     f"round {index + 1} {name}: {result['output_throughput']:8.1f} tok/s  "
                     f"TPOT p50 {result['median_tpot_ms']:6.1f} ms  TTFT p50 {result['median_ttft_ms']:7.1f} ms  "
                     f"front-end CPU {result['frontend_cpu_seconds_per_1k_tokens']:.4f} s/1k tok  "
+                    f"engine core {result['engine_core_cpu_seconds_per_1k_tokens']:.4f}  "
                     f"errors {result['errors']}",
                     flush=True,
                 )
