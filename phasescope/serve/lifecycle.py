@@ -335,29 +335,19 @@ class RequestLifecycle:
             return
         sample.first_token_reported = True
         path = self._path
-        # Everything the record holds is read now (each is a value, or replaced rather than changed); it is
-        # built when it is delivered (`ObserverGroup.request_first_token_later`), off the path of the requests
-        # still being taken in beside this one.
-        build = functools.partial(
-            _first_token_record,
-            path.model_name,
-            self.front,
-            sample.stamps,
-            sample.completion_tokens,
-            sample.interference,
-            self.prompt_tokens,
-            sample.cached_prompt_tokens,
-            self.streaming,
-            path.trace_id(),
-            sample.index,
-            self._first_tokens_reported == 0,
-            self._parameters.constraint,
+        path.observer.request_first_token(
+            FirstTokenRecord(
+                model=path.model_name,
+                timings=_sample_timings(self.front, sample),
+                prefill_tokens_computed=max(0, self.prompt_tokens - sample.cached_prompt_tokens),
+                cached_prompt_tokens=min(sample.cached_prompt_tokens, self.prompt_tokens),
+                streaming=self.streaming,
+                trace_id=path.trace_id(),
+                sample=sample.index,
+                request_first=self._first_tokens_reported == 0,
+                constraint=self._parameters.constraint,
+            )
         )
-        later = getattr(path.observer, "request_first_token_later", None)
-        if later is not None:
-            later(build)
-        else:
-            path.observer.request_first_token(build())
         self._first_tokens_reported += 1
 
     def _end(self, error: BaseException | None) -> None:
@@ -421,34 +411,6 @@ class RequestLifecycle:
 def _written_at(front: FrontendTimestamps, written: float) -> FrontendTimestamps:
     # Made directly: `dataclasses.replace` costs twice as much, three times on every request's path.
     return FrontendTimestamps(front.entry, front.wall_at_entry, front.handed_to_engine, written, front.ended)
-
-
-def _first_token_record(
-    model: str,
-    front: FrontendTimestamps,
-    stamps: EngineTimestamps | None,
-    completion_tokens: int,
-    interference: Interference,
-    prompt_tokens: int,
-    cached_prompt_tokens: int,
-    streaming: bool,
-    trace_id: str | None,
-    sample: int,
-    request_first: bool,
-    constraint: str,
-) -> FirstTokenRecord:
-    """A sample's first-token record from what the lifecycle read when its first chunk was written."""
-    return FirstTokenRecord(
-        model=model,
-        timings=derive_phase_timings(front, stamps, completion_tokens, interference),
-        prefill_tokens_computed=max(0, prompt_tokens - cached_prompt_tokens),
-        cached_prompt_tokens=min(cached_prompt_tokens, prompt_tokens),
-        streaming=streaming,
-        trace_id=trace_id,
-        sample=sample,
-        request_first=request_first,
-        constraint=constraint,
-    )
 
 
 def _sample_timings(front: FrontendTimestamps, sample: SampleProgress) -> PhaseTimings:

@@ -45,9 +45,6 @@ class RequestObserver(Protocol):
 
 MAX_HELD_RECORDS = 4096
 """Held records beyond which they are handed on at once, whatever the hold's time (a bound on memory)."""
-HAND_ON_SLICE = 16
-"""Records handed on per event-loop callback when the hold has passed: a wave's records (tens of microseconds
-each in place) are handed on between the loop's other callbacks, never as one stall of milliseconds."""
 
 
 @runtime_checkable
@@ -138,47 +135,28 @@ class ObserverGroup:
             self._timer = loop.call_later(self._hold_seconds, self._timed_hand_on)
 
     def _timed_hand_on(self) -> None:
-        """The hold has passed: hand on `HAND_ON_SLICE` records now and the rest in later callbacks, so the
-        streams and requests the loop serves meanwhile are not held up behind all of them at once."""
         self._timer = None
-        with self._delivery:
-            self._deliver(HAND_ON_SLICE)
-            more = bool(self._held)
-        loop = self._timer_loop
-        if more and loop is not None and not loop.is_closed():
-            loop.call_soon(self._timed_hand_on)
+        self.hand_on()
 
     def hand_on(self) -> None:
         """Deliver every held record to its observers, in the order they came (readers call this first)."""
         with self._delivery:
-            self._deliver(None)
-
-    def _deliver(self, most: int | None) -> None:
-        """Hand on the oldest `most` held records (None: all of them); the caller holds `_delivery`."""
-        held = self._held
-        count = 0
-        while held and (most is None or count < most):
-            count += 1
-            method, record, built = held.popleft()
-            if not built:
-                try:
-                    record = record()
-                except Exception as exc:  # a record that cannot be built costs that record only
-                    self._on_error("observer", exc)
-                    continue
-            self._call(self._held_observers, method, (record,))
+            held = self._held
+            while held:
+                method, record, built = held.popleft()
+                if not built:
+                    try:
+                        record = record()
+                    except Exception as exc:  # a record that cannot be built costs that record only
+                        self._on_error("observer", exc)
+                        continue
+                self._call(self._held_observers, method, (record,))
 
     def request_started(self, model: str) -> None:
         self._fan_out("request_started", model)
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         self._hold("request_first_token", record)
-
-    def request_first_token_later(self, build: Callable[[], FirstTokenRecord]) -> None:
-        """A first token's record, built only when it is handed on if every observer holds records (it comes
-        while the requests that arrived with it are still being taken in); built now when any observer takes
-        it at once."""
-        self._hold_later("request_first_token", build)
 
     def tokens_generated(self, model: str, count: int) -> None:
         for sink in self._token_sinks:
@@ -193,18 +171,15 @@ class ObserverGroup:
     def request_finished_later(self, build: Callable[[], PhaseRecord]) -> None:
         """An ended request's record, built only when it is handed on if every observer holds records
         (building it is most of what a request's end costs); built now when any observer takes it at once."""
-        self._hold_later("request_finished", build)
-
-    def _hold_later(self, method: str, build: Callable[[], Any]) -> None:
         if self._direct_observers or not self._held_observers:
             try:
                 record = build()
             except Exception as exc:
                 self._on_error("observer", exc)
                 return
-            self._hold(method, record)
+            self.request_finished(record)
             return
-        self._hold(method, build, built=False)
+        self._hold("request_finished", build, built=False)
 
     def request_rejected(self, model: str, reason: str) -> None:
         self._fan_out("request_rejected", model, reason)

@@ -1,7 +1,6 @@
 """Request records held for a moment (ObserverGroup's `hold_seconds`): never lost, never read late."""
 
 import asyncio
-import itertools
 import threading
 from collections.abc import Callable
 
@@ -268,86 +267,3 @@ def test_a_record_that_cannot_be_built_costs_that_record_only() -> None:
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 1
     failures = {"model": MODEL, "component": "observer"}
     assert registry.get_sample_value("phasescope_telemetry_errors_total", failures) == 1
-
-
-def test_a_first_token_s_record_is_built_only_when_it_is_handed_on() -> None:
-    kept = Kept()
-    group = ObserverGroup([kept], hold_seconds=60.0)
-    built: list[FirstTokenRecord] = []
-
-    def build() -> FirstTokenRecord:
-        built.append(first_token())
-        return built[-1]
-
-    async def serve() -> int:
-        group.request_first_token_later(build)
-        return len(built)
-
-    assert asyncio.run(serve()) == 0
-    kept.hand_on()
-    assert len(built) == 1
-    assert kept.seen == ["first_token"]
-
-
-def test_a_first_token_s_record_is_built_at_once_for_an_observer_that_takes_it_at_once() -> None:
-    spans, kept = Spans(), Kept()
-    group = ObserverGroup([spans, kept], hold_seconds=60.0)
-
-    async def serve() -> None:
-        group.request_first_token_later(first_token)
-
-    asyncio.run(serve())
-    assert spans.seen == ["first_token"]
-    kept.hand_on()
-    assert kept.seen == ["first_token"]
-
-
-def test_once_the_hold_has_passed_records_are_handed_on_a_slice_per_callback_in_order() -> None:
-    kept = Kept()
-    group = ObserverGroup([kept], hold_seconds=0.01)
-    requests = 2 * observer_module.HAND_ON_SLICE  # four slices of records: a first token and an end each
-
-    async def serve() -> tuple[list[int], list[str]]:
-        for _ in range(requests):
-            group.request_first_token(first_token())
-            group.request_finished(record())
-        for _ in range(1000):  # until the hold has passed (the loop's timer)
-            if kept.seen:
-                break
-            await asyncio.sleep(0.001)
-        delivered = [len(kept.seen)]
-        while group.held and len(delivered) < 100:
-            await asyncio.sleep(0)  # one pass of the loop: at most one slice
-            delivered.append(len(kept.seen))
-        await asyncio.sleep(0.05)
-        return delivered, list(kept.seen)
-
-    delivered, seen = asyncio.run(serve())
-    # Never more than a slice in one pass of the loop (so it takes several), and every record in the end,
-    # in the order held.
-    passes = [later - earlier for earlier, later in itertools.pairwise(delivered)]
-    assert all(0 <= count <= observer_module.HAND_ON_SLICE for count in passes)
-    assert sum(1 for count in passes if count) >= 2
-    assert seen == ["first_token", "finished"] * requests
-    assert group.held == 0
-
-
-def test_a_read_while_slices_are_handed_on_takes_every_record_still_held() -> None:
-    kept = Kept()
-    group = ObserverGroup([kept], hold_seconds=0.01)
-
-    async def serve() -> tuple[int, int]:
-        for _ in range(4 * observer_module.HAND_ON_SLICE):
-            group.request_finished(record())
-        for _ in range(1_000_000):  # one pass of the loop at a time, until the hold has passed
-            if len(kept.seen) >= observer_module.HAND_ON_SLICE:
-                break
-            await asyncio.sleep(0)
-        partly = len(kept.seen)
-        kept.hand_on()  # what a scrape does before it collects
-        return partly, len(kept.seen)
-
-    partly, after = asyncio.run(serve())
-    assert partly < 4 * observer_module.HAND_ON_SLICE
-    assert after == 4 * observer_module.HAND_ON_SLICE
-    assert group.held == 0
