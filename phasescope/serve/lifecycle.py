@@ -172,7 +172,6 @@ class SampleProgress:
         "finish_reason",
         "first_token_reported",
         "index",
-        "interference",
         "stamps",
     )
 
@@ -182,8 +181,6 @@ class SampleProgress:
         self.cached_prompt_tokens = 0
         self.finish_reason: str | None = None
         self.stamps: EngineTimestamps | None = None
-        self.interference = NO_INTERFERENCE
-        """What other requests' prefill chunks have cost this sample's decode so far."""
         # The engine's running totals at the first token, and at the latest step.
         self._decode_start: Interference | None = None
         self._totals = NO_INTERFERENCE
@@ -193,11 +190,20 @@ class SampleProgress:
         # The engine's totals advance in the output pass that delivered this step's tokens (its stat
         # logger runs before this request's consumer resumes): read at the first token and since,
         # their difference is what this sample's decode shared (phasescope.telemetry.step.interference).
+        # Only the two readings are kept here, on the path of every token: their difference is taken when
+        # it is read (`interference`), a few times per request, not at every mixed step of every request.
         if self._decode_start is None:
             self._decode_start = totals
-        elif totals is not self._totals:  # replaced only by a mixed step
-            self.interference = totals - self._decode_start
         self._totals = totals
+
+    @property
+    def interference(self) -> Interference:
+        """What other requests' prefill chunks have cost this sample's decode so far."""
+        start, totals = self._decode_start, self._totals
+        # The totals are replaced only by a mixed step: the same object is no interference since the start.
+        if start is None or totals is start:
+            return NO_INTERFERENCE
+        return totals - start
 
 
 class RequestLifecycle:
