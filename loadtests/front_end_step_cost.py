@@ -96,6 +96,14 @@ def install() -> None:
     except ImportError:  # vLLM's own worker, run without phasescope installed
         return
     timed(PhasescopeStatLogger, "record", "phasescope PhasescopeStatLogger.record (step telemetry)")
+    from phasescope.engine.vllm.stats import HeldPrometheusStatLogger
+    from phasescope.telemetry.request.observer import ObserverGroup
+    from phasescope.telemetry.step.aggregator import StepAggregator
+
+    # The held batches, each handed on whole (a scrape's hand-on included).
+    timed(StepAggregator, "flush_reports", "phasescope StepAggregator.flush_reports (held step reports)")
+    timed(HeldPrometheusStatLogger, "hand_on", "phasescope HeldPrometheusStatLogger.hand_on (vLLM's series, held)")
+    timed(ObserverGroup, "hand_on", "phasescope ObserverGroup.hand_on (held request records)")
     timed(RequestLifecycle, "took", "phasescope RequestLifecycle.took (per request per step)")
 
 

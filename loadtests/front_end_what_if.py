@@ -85,7 +85,8 @@ def _no_status_interceptor() -> None:
     grpc.aio.server = without  # type: ignore[assignment]  # the cut being measured
 
 
-def main() -> int:
+def apply_cuts() -> list[str]:
+    """Make the cuts `PHASESCOPE_WHAT_IF` names in this process (another study's runner may call it too)."""
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
     if unknown:
@@ -99,6 +100,11 @@ def main() -> int:
     for cut in cuts:
         patches[cut]()
     print(f"front_end_what_if: cut {', '.join(cuts) or 'nothing'}", file=sys.stderr, flush=True)
+    return cuts
+
+
+def main() -> int:
+    apply_cuts()
     from phasescope.cli.main import main as phasescope_main
 
     return phasescope_main(sys.argv[1:])

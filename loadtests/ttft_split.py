@@ -113,12 +113,12 @@ def _wrap_add_request() -> None:
 def run(module: str, argv: list[str]) -> None:
     """Run a server module (`phasescope` with `serve ...`, or vLLM's launcher) with the stamps added."""
     sink = open(os.environ[ENV], "a", buffering=1)  # noqa: SIM115  # open for the process's life
-    try:
+    if module == "phasescope":
+        from loadtests.front_end_what_if import apply_cuts
         from phasescope.serve.engine_protocol.servicer import VllmEngineServicer
 
+        apply_cuts()  # $PHASESCOPE_WHAT_IF's, if any (`measure --what-if`)
         _wrap_generate(VllmEngineServicer, sink)
-    except ImportError:
-        pass
     from smg_grpc_servicer.vllm.servicer import VllmEngineServicer as VllmWorkerServicer  # type: ignore[import-untyped]
 
     _wrap_generate(VllmWorkerServicer, sink)
@@ -159,7 +159,8 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
         server = PhasescopeProcess(
             ["--model", model, "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib",
              "2", "--max-concurrent-requests", str(max_num_seqs), "--max-queued-requests", "4096"],
-            logs / "phasescope.log", env={ENV: str(sinks["phasescope"])}, module="loadtests.ttft_split",
+            logs / "phasescope.log", env={ENV: str(sinks["phasescope"]), "PHASESCOPE_WHAT_IF": args.what_if},
+            module="loadtests.ttft_split",
         )  # fmt: skip
         stack.callback(server.stop)
         settings = EngineSettings(model, Path(model).name, "float32", 2048, 2.0, max_num_seqs)
@@ -229,6 +230,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pin-cpus", action="store_true", help="as bench --pin-cpus")
+    parser.add_argument("--what-if", default="", metavar="CUTS", help="phasescope's front_end_what_if cuts")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     from phasescope.bench.harness import stop_on_sigterm, write_results
