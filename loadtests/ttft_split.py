@@ -137,8 +137,8 @@ def _split(server: list[dict[str, Any]], client: dict[str, tuple[float, float]])
             continue
         stamps = {**stamps, "sent": times[0], "received": times[1]}
         for name, start, end in SEGMENTS:
-            out[name].append((stamps[end] - stamps[start]) * 1e3)
-        out["client_ttft"].append((times[1] - times[0]) * 1e3)
+            out[name].append(round((stamps[end] - stamps[start]) * 1e3, 3))
+        out["client_ttft"].append(round((times[1] - times[0]) * 1e3, 3))
     return out
 
 
