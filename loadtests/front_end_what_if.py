@@ -8,6 +8,9 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
 
 - `no-step-telemetry`: `PhasescopeStatLogger.record` does nothing (no step records, window, views,
   interference, step series).
+- `no-step-reports`: the step reports are made and the interference ledger kept, as served, but the held
+  reports are dropped instead of handed on (no window, views, step series): what the batches cost apart
+  from the part that runs with every step.
 - `bare-took`: `RequestLifecycle.took` keeps only the sample's token count and stamps (no
   interference read, no token counter).
 - `no-request-records`: no first-token or end-of-request record is built or observed (no request,
@@ -31,7 +34,7 @@ import os
 import sys
 from typing import Any
 
-CUTS = ("no-step-telemetry", "bare-took", "no-request-records", "no-status-interceptor")
+CUTS = ("no-step-telemetry", "no-step-reports", "bare-took", "no-request-records", "no-status-interceptor")
 
 
 def _no_step_telemetry() -> None:
@@ -41,6 +44,16 @@ def _no_step_telemetry() -> None:
         return None
 
     PhasescopeStatLogger.record = record  # type: ignore[method-assign]  # the cut being measured
+
+
+def _no_step_reports() -> None:
+    from phasescope.telemetry.step.aggregator import StepAggregator
+
+    def flush_reports(self: Any) -> None:
+        with self._held_lock:
+            self._held = []
+
+    StepAggregator.flush_reports = flush_reports  # type: ignore[method-assign]  # the cut being measured
 
 
 def _bare_took() -> None:
@@ -93,6 +106,7 @@ def apply_cuts() -> list[str]:
         sys.exit(f"PHASESCOPE_WHAT_IF: unknown {', '.join(unknown)} (known: {', '.join(CUTS)})")
     patches = {
         "no-step-telemetry": _no_step_telemetry,
+        "no-step-reports": _no_step_reports,
         "bare-took": _bare_took,
         "no-request-records": _no_request_records,
         "no-status-interceptor": _no_status_interceptor,
