@@ -98,7 +98,7 @@ def _no_status_interceptor() -> None:
     grpc.aio.server = without  # type: ignore[assignment]  # the cut being measured
 
 
-def apply_cuts() -> list[str]:
+def apply_cuts() -> None:
     """Make the cuts `PHASESCOPE_WHAT_IF` names in this process (another study's runner may call it too)."""
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
@@ -114,7 +114,6 @@ def apply_cuts() -> list[str]:
     for cut in cuts:
         patches[cut]()
     print(f"front_end_what_if: cut {', '.join(cuts) or 'nothing'}", file=sys.stderr, flush=True)
-    return cuts
 
 
 def main() -> int:

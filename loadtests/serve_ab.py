@@ -74,6 +74,18 @@ def _engine_core_cpu(pid: int) -> float:
     return total
 
 
+def serve_args(max_num_seqs: int) -> list[str]:
+    """`phasescope serve`'s engine flags for a side-by-side run (the tiny model's regime: eager, float32, 2 GiB of
+    KV cache); `vllm_settings` starts vLLM's worker on the same engine."""
+    return ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "2",
+            "--max-concurrent-requests", str(max_num_seqs), "--max-queued-requests", "4096"]  # fmt: skip
+
+
+def vllm_settings(model: str, max_num_seqs: int) -> EngineSettings:
+    """vLLM's gRPC worker on the engine of `serve_args`."""
+    return EngineSettings(model, Path(model).name, "float32", 2048, 2.0, max_num_seqs)
+
+
 def _env(pairs: list[str]) -> dict[str, str]:
     env = {}
     for pair in pairs:
@@ -145,8 +157,7 @@ async def _serve_and_measure(
                  ("b", args.b_args, args.b_env, args.b_what_if, args.b_token_ids_only))  # fmt: skip
         for name, extra, env, cuts, ids_only in sides:
             if name == "b" and args.b_vllm_grpc:
-                settings = EngineSettings(model, Path(model).name, "float32", 2048, 2.0, max_num_seqs)
-                worker, targets[name] = start_vllm_grpc(settings, logs)
+                worker, targets[name] = start_vllm_grpc(vllm_settings(model, max_num_seqs), logs)
                 stack.callback(worker.stop)
                 servers[name] = worker
                 continue
@@ -195,8 +206,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.engine_protocol = args.engine_protocol or args.b_vllm_grpc
     max_num_seqs = max(args.concurrency, args.bursts, 16)
-    engine = ["--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib", "2",
-              "--max-concurrent-requests", str(max_num_seqs), "--max-queued-requests", "4096"]  # fmt: skip
+    engine = serve_args(max_num_seqs)
     model = ""  # phasescope's embedded default unless a tokenizer is needed here (token ids are sent)
     if args.tiny_model:
         from phasescope.bench.tiny_model import ensure_tiny_model

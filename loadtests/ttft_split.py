@@ -43,6 +43,8 @@ from collections.abc import AsyncGenerator
 from pathlib import Path
 from typing import Any
 
+from phasescope.bench.launch import VLLM_GRPC_LAUNCHER
+
 ENV = "PHASESCOPE_TTFT_SPLIT"
 SEGMENTS = (
     ("inbound", "sent", "entry"),
@@ -143,8 +145,9 @@ def _split(server: list[dict[str, Any]], client: dict[str, tuple[float, float]])
 
 
 async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
+    from loadtests.serve_ab import serve_args, vllm_settings
     from phasescope.bench.harness import PhasescopeProcess
-    from phasescope.bench.launch import EngineSettings, phasescope_engine_target, start_vllm_grpc
+    from phasescope.bench.launch import phasescope_engine_target, start_vllm_grpc
     from phasescope.bench.loop import run_point
     from phasescope.bench.targets import VllmEngineTarget
     from phasescope.bench.tiny_model import ensure_tiny_model
@@ -157,15 +160,12 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
     results: dict[str, Any] = {"rounds": []}
     with contextlib.ExitStack() as stack:
         server = PhasescopeProcess(
-            ["--model", model, "--enforce-eager", "--dtype", "float32", "--max-model-len", "2048", "--kv-cache-gib",
-             "2", "--max-concurrent-requests", str(max_num_seqs), "--max-queued-requests", "4096"],
-            logs / "phasescope.log", env={ENV: str(sinks["phasescope"]), "PHASESCOPE_WHAT_IF": args.what_if},
-            module="loadtests.ttft_split",
+            ["--model", model, *serve_args(max_num_seqs)], logs / "phasescope.log",
+            env={ENV: str(sinks["phasescope"]), "PHASESCOPE_WHAT_IF": args.what_if}, module="loadtests.ttft_split",
         )  # fmt: skip
         stack.callback(server.stop)
-        settings = EngineSettings(model, Path(model).name, "float32", 2048, 2.0, max_num_seqs)
         os.environ[ENV] = str(sinks["vllm"])
-        worker, vllm_target = start_vllm_grpc(settings, logs, wrapper="loadtests.ttft_split")
+        worker, vllm_target = start_vllm_grpc(vllm_settings(model, max_num_seqs), logs, wrapper="loadtests.ttft_split")
         stack.callback(worker.stop)
         server.wait_serving()
         if args.pin_cpus and keep_off_worker_cpus() is None:
@@ -212,14 +212,14 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
 
 def main() -> int:
-    if len(sys.argv) > 2 and sys.argv[1] == "run":
-        run(sys.argv[2], sys.argv[3:])
-        return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "serve":  # PhasescopeProcess runs `-m <module> serve ...`
+    # As a server's wrapper: PhasescopeProcess runs `-m <module> serve ...`, start_vllm_grpc runs
+    # `-m <module> <launcher> ...`.
+    first = sys.argv[1] if len(sys.argv) > 1 else ""
+    if first == "serve":
         run("phasescope", sys.argv[1:])
         return 0
-    if len(sys.argv) > 1 and sys.argv[1] == "vllm.entrypoints.launchers.grpc_server":
-        run(sys.argv[1], sys.argv[2:])
+    if first == VLLM_GRPC_LAUNCHER:
+        run(VLLM_GRPC_LAUNCHER, sys.argv[2:])
         return 0
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("command", choices=["measure"])

@@ -84,6 +84,10 @@ def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tu
     return server, OpenAITarget(base, settings.served_name, server.process.pid, api)
 
 
+VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
+"""The module vLLM's gRPC worker runs as (`python -m`)."""
+
+
 def start_vllm_grpc(
     settings: EngineSettings, out: Path, api: str = "prompt", *, wrapper: str | None = None
 ) -> tuple[ManagedProcess, VllmEngineTarget]:
@@ -93,8 +97,7 @@ def start_vllm_grpc(
     here unless $SMG_VLLM_SERVICER_WARMUP says otherwise). `wrapper` is a module `python -m` runs instead, with the
     launcher's module name and then its arguments (a study's instrumented run of the same worker)."""
     port = free_port()
-    module = "vllm.entrypoints.launchers.grpc_server"
-    launcher = ["-m", wrapper, module] if wrapper else ["-m", module]
+    launcher = ["-m", wrapper, VLLM_GRPC_LAUNCHER] if wrapper else ["-m", VLLM_GRPC_LAUNCHER]
     command = [
         sys.executable, *launcher, "--model", settings.model,
         "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",

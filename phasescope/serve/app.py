@@ -244,8 +244,7 @@ class Server:
             steps.iteration_sink = aggregated.record_iteration
             steps.queue_sink = aggregated.record_queue
             steps.report_sink = aggregated.record_report
-            # The ledger's own reader: read by every request at every step, one call rather than two.
-            path.interference = aggregated.interference.read
+            path.interference = aggregated.read_interference
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(
                     start_gpu_counters, self.registry, model_name, environ=env_cuda_devices()

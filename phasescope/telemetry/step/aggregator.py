@@ -131,6 +131,9 @@ class StepAggregator:
             engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
         )
         self.interference = InterferenceLedger()
+        self.read_interference: Callable[[int], Interference] = self.interference.read
+        """An engine's running interference totals, for a request to difference over its decode (the ledger's
+        own reader: every request reads it at every step, so one call, not two)."""
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
         self._attributor: StepAttributor | None = None
         self._clock = clock
@@ -257,10 +260,6 @@ class StepAggregator:
         self.window.add_queue(engine, running, waiting, kv_cache_usage, reason, at)
         for sink in self._sinks:
             sink.queue(engine, running, waiting, kv_cache_usage, deferred)
-
-    def read_interference(self, engine: int) -> Interference:
-        """The engine's running interference totals, for a request to difference over its decode."""
-        return self.interference.read(engine)
 
     def views(self) -> tuple[float, list[EngineView]]:
         """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
