@@ -156,24 +156,31 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
 
     model = str(ensure_tiny_model())
     max_num_seqs = max(args.concurrency, 16)
-    sinks = {name: logs / f"{name}.stamps" for name in ("phasescope", "vllm")}
+    variants = _variants(args)
+    names = [*variants, "vllm"]
+    sinks = {name: logs / f"{name}.stamps" for name in names}
     results: dict[str, Any] = {"rounds": []}
     with contextlib.ExitStack() as stack:
-        server = PhasescopeProcess(
-            ["--model", model, *serve_args(max_num_seqs)], logs / "phasescope.log",
-            env={ENV: str(sinks["phasescope"]), "PHASESCOPE_WHAT_IF": args.what_if}, module="loadtests.ttft_split",
-        )  # fmt: skip
-        stack.callback(server.stop)
+        servers = {}
+        for name, env in variants.items():
+            server = PhasescopeProcess(
+                ["--model", model, *serve_args(max_num_seqs)], logs / f"{name}.log",
+                env={ENV: str(sinks[name]), "PHASESCOPE_WHAT_IF": args.what_if, **env}, module="loadtests.ttft_split",
+            )  # fmt: skip
+            stack.callback(server.stop)
+            servers[name] = server
         os.environ[ENV] = str(sinks["vllm"])
         worker, vllm_target = start_vllm_grpc(vllm_settings(model, max_num_seqs), logs, wrapper="loadtests.ttft_split")
         stack.callback(worker.stop)
-        server.wait_serving()
+        for server in servers.values():
+            server.wait_serving()
         if args.pin_cpus and keep_off_worker_cpus() is None:
             print("ttft_split: --pin-cpus: no engine worker is bound to part of the CPUs", file=sys.stderr)
         targets: dict[str, VllmEngineTarget] = {
-            "phasescope": phasescope_engine_target(server.address, None, server.process.pid, model),
-            "vllm": vllm_target,
+            name: phasescope_engine_target(server.address, None, server.process.pid, model)
+            for name, server in servers.items()
         }
+        targets["vllm"] = vllm_target
         spec = WorkloadSpec(
             LengthDistribution.parse(args.prompt_tokens), LengthDistribution.parse(str(args.max_tokens))
         )
@@ -182,7 +189,8 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                 await run_point(target, workload(spec, 1, 16), concurrency=8, rate=None, seed=1, progress=lambda: None)
             for index in range(args.rounds):
                 seed = derive_seed(args.seed, 0, index)
-                for name in ("phasescope", "vllm") if index % 2 == 0 else ("vllm", "phasescope"):
+                # Each round starts with the next server, in turn.
+                for name in names[index % len(names) :] + names[: index % len(names)]:
                     before = sinks[name].stat().st_size
                     records, _ = await run_point(targets[name], workload(spec, seed, args.requests),
                                                  concurrency=args.concurrency, rate=None, seed=seed,
@@ -203,12 +211,45 @@ async def _measure(args: argparse.Namespace, logs: Path) -> dict[str, Any]:
                     medians = {key: statistics.median(values) for key, values in split.items() if values}
                     results["rounds"].append({"round": index + 1, "server": name, "requests": len(split["client_ttft"]),
                                               "median_ms": medians, "ms": split})  # fmt: skip
-                    print(f"round {index + 1} {name:10s} " + "  ".join(f"{k} {v:.2f}" for k, v in medians.items()),
+                    print(f"round {index + 1} {name:18s} " + "  ".join(f"{k} {v:.2f}" for k, v in medians.items()),
                           flush=True)  # fmt: skip
         finally:
             for target in targets.values():
                 await target.close()
     return results
+
+
+def _variants(args: argparse.Namespace) -> dict[str, dict[str, str]]:
+    """phasescope's servers by name: `phasescope` with --phasescope-env, and each --variant's."""
+    variants = {"phasescope": _pairs(args.phasescope_env)}
+    for variant in args.variant:
+        name, _, pairs = variant.partition(":")
+        if not name or name in (*variants, "vllm"):
+            raise SystemExit(f"ttft_split: --variant needs a new name before its ':', got {variant!r}")
+        variants[name] = _pairs([pair for pair in pairs.split(",") if pair])
+    return variants
+
+
+def _pairs(pairs: list[str]) -> dict[str, str]:
+    env = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep:
+            raise SystemExit(f"ttft_split: an environment variable is NAME=VALUE, got {pair!r}")
+        env[name] = value
+    return env
+
+
+def _ratios(rounds: list[dict[str, Any]], name: str, key: str) -> tuple[float, int, int]:
+    """`name`'s round medians of `key` over vLLM's in the same round: the median ratio, how many were higher,
+    out of how many rounds."""
+    by_round: dict[int, dict[str, float]] = {}
+    for entry in rounds:
+        by_round.setdefault(entry["round"], {})[entry["server"]] = entry["median_ms"][key]
+    ratios = [pair[name] / pair["vllm"] for pair in by_round.values() if name in pair and pair.get("vllm")]
+    if not ratios:
+        return float("nan"), 0, 0
+    return statistics.median(ratios), sum(ratio > 1.0 for ratio in ratios), len(ratios)
 
 
 def main() -> int:
@@ -231,6 +272,10 @@ def main() -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--pin-cpus", action="store_true", help="as bench --pin-cpus")
     parser.add_argument("--what-if", default="", metavar="CUTS", help="phasescope's front_end_what_if cuts")
+    parser.add_argument("--phasescope-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="an environment variable for phasescope's server only (repeatable)")  # fmt: skip
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME:NAME=VALUE,...",
+                        help="one more phasescope server, with these environment variables, in each round")  # fmt: skip
     parser.add_argument("--output", type=Path)
     args = parser.parse_args()
     from phasescope.bench.harness import stop_on_sigterm, write_results
@@ -238,7 +283,7 @@ def main() -> int:
     stop_on_sigterm()
     logs = Path(tempfile.mkdtemp(prefix="ttft-split-"))
     results = asyncio.run(_measure(args, logs))
-    names = ("phasescope", "vllm")
+    names = [*_variants(args), "vllm"]
     keys = [name for name, _, _ in SEGMENTS] + ["client_ttft"]
     print(
         f"{'segment':>14}: "
@@ -255,6 +300,11 @@ def main() -> int:
         }
         summary[key] = row
         print(f"{key:>14}: " + "  ".join(f"{row[name]:10.2f}" for name in names))
+    for name in names[:-1]:
+        for key in ("client_ttft", "inbound"):
+            ratio, higher, rounds = _ratios(results["rounds"], name, key)
+            summary.setdefault("ratios", {})[f"{name} {key}"] = ratio
+            print(f"{name} ÷ vllm, {key}: median of rounds {ratio:.3f}, higher in {higher} of {rounds}")
     if args.output:
         arguments = {**vars(args), "output": str(args.output)}
         write_results(

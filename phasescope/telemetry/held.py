@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 
+import numpy as np
+from prometheus_client import Histogram
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+from prometheus_client.values import MutexValue
 
 
 def nothing_held() -> None:
@@ -62,3 +65,33 @@ class HandOnFirst(Collector):
     def collect(self) -> Iterator[Metric]:
         self.hand_on()
         return iter(())
+
+
+def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
+    """`histogram.observe(amount)` for each of `amounts` in order, with the same result to the bit (each
+    bucket's count, and the sum added up in the same order), in one pass: a held batch's thousands of
+    observations cost tens of microseconds instead of one lock and one bucket search each.
+
+    `histogram` is a labelled child (or a histogram without labels), observed only by the caller while this
+    runs. In prometheus_client's multiprocess mode (values in shared files, not `MutexValue`), each amount is
+    observed on its own."""
+    if not amounts:
+        return
+    # prometheus_client has no observe-many: this adds to what observe() adds to.
+    total = histogram._sum
+    buckets = histogram._buckets
+    if type(total) is not MutexValue or any(type(bucket) is not MutexValue for bucket in buckets):
+        for amount in amounts:
+            histogram.observe(amount)
+        return
+    bounds = histogram._upper_bounds
+    # observe() counts an amount in the first bucket whose bound is >= it (one NaN is in none): the left
+    # insertion point, past the last bucket for NaN.
+    counts = np.bincount(np.searchsorted(bounds, np.asarray(amounts, dtype=float), side="left"), minlength=len(bounds))
+    with total._lock:
+        running = total._value
+        for amount in amounts:
+            running += amount
+        total._value = running
+    for index in np.flatnonzero(counts[: len(bounds)]):
+        buckets[index].inc(int(counts[index]))

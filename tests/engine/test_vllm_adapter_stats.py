@@ -188,3 +188,33 @@ def test_on_the_event_loop_vllm_series_are_handed_on_after_what_the_loop_has_rea
 
     asyncio.run(scenario())
     assert seen == [HELD_PROMETHEUS_STEPS, HELD_PROMETHEUS_STEPS, 0]
+
+
+def test_vllm_inter_token_latencies_count_and_sum_as_vllm_observes_them() -> None:
+    # vLLM's logger observes each of a step's inter-token latencies; held, they are observed a batch at a time,
+    # and vLLM's series read the same: every latency in its bucket, the sum added up in the same order.
+    config = EngineArgs(model=str(ensure_tiny_model()), enforce_eager=True, max_model_len=256).create_engine_config()
+    held = HeldPrometheusStatLogger(config, [0])
+    labels = {"model_name": str(config.model_config.served_model_name), "engine": "0"}
+    name = "vllm:inter_token_latency_seconds"
+    count_before = REGISTRY.get_sample_value(f"{name}_count", labels) or 0.0
+    sum_before = REGISTRY.get_sample_value(f"{name}_sum", labels) or 0.0
+    fast_before = REGISTRY.get_sample_value(f"{name}_bucket", {**labels, "le": "0.01"}) or 0.0
+    steps = [[0.004 + 0.0001 * i for i in range(step % 5)] + [0.2] for step in range(HELD_PROMETHEUS_STEPS + 3)]
+    iterations = []
+    for latencies in steps:
+        iteration = IterationStats()  # type: ignore[no-untyped-call]  # vLLM leaves its __init__ unannotated
+        iteration.inter_token_latencies_iter = list(latencies)
+        iterations.append(iteration)
+        held.record(scheduler_stats(0, 0, len(latencies), len(latencies)), iteration)
+    held.hand_on()
+    expected_sum = sum_before
+    for latencies in steps:
+        for latency in latencies:
+            expected_sum += latency
+    assert REGISTRY.get_sample_value(f"{name}_count", labels) == count_before + sum(map(len, steps))
+    assert REGISTRY.get_sample_value(f"{name}_sum", labels) == expected_sum
+    fast = sum(latency <= 0.01 for latencies in steps for latency in latencies)
+    assert REGISTRY.get_sample_value(f"{name}_bucket", {**labels, "le": "0.01"}) == fast_before + fast
+    # The stats objects are vLLM's, shared with the other loggers: left as they came.
+    assert [iteration.inter_token_latencies_iter for iteration in iterations] == steps

@@ -15,14 +15,14 @@ import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from prometheus_client import REGISTRY
+from prometheus_client import REGISTRY, Histogram
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
 from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
 
-from phasescope.telemetry.held import HandOnSoon
+from phasescope.telemetry.held import HandOnSoon, observe_all
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 from phasescope.telemetry.step.window import wait_reason
 
@@ -184,8 +184,24 @@ class HeldPrometheusStatLogger(PrometheusStatLogger):
 
     def _hand_on(self) -> None:
         held, self._held = self._held, []
+        # vLLM's logger observes every inter-token latency of a step on its own (one per running request, most of
+        # its cost per step): the held steps' are observed here all at once, in order, to the same counts and sum.
+        latencies: dict[int, list[float]] = {}
         for scheduler_stats, iteration_stats, mm_cache_stats, engine_idx in held:
-            super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
+            if iteration_stats is None or not iteration_stats.inter_token_latencies_iter:
+                super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
+                continue
+            step_latencies = iteration_stats.inter_token_latencies_iter
+            latencies.setdefault(engine_idx, []).extend(step_latencies)
+            iteration_stats.inter_token_latencies_iter = []
+            try:
+                super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
+            finally:
+                iteration_stats.inter_token_latencies_iter = step_latencies
+        for engine_idx, amounts in latencies.items():
+            histogram = self.histogram_inter_token_latency[engine_idx]
+            assert isinstance(histogram, Histogram)  # vLLM types its per-engine children as any metric
+            observe_all(histogram, amounts)
 
     def record_sleep_state(self, sleep: int = 0, level: int = 0) -> None:
         self.hand_on()
