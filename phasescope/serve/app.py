@@ -244,6 +244,7 @@ class Server:
             steps.iteration_sink = aggregated.record_iteration
             steps.queue_sink = aggregated.record_queue
             steps.report_sink = aggregated.record_report
+            steps.held_sink = aggregated.record_held
             path.interference = aggregated.read_interference
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(

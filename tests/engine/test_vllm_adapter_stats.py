@@ -1,6 +1,7 @@
 """The stat logger at vLLM's boundary: vLLM's own stats objects in, step reports out, nothing raised back."""
 
 import asyncio
+import random
 from types import SimpleNamespace
 
 from prometheus_client import REGISTRY, CollectorRegistry
@@ -16,6 +17,9 @@ from phasescope.engine.vllm.stats import (
     stat_logger_factory,
 )
 from phasescope.telemetry.errors import TelemetryErrors
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.cost import model_cost_from_config
+from phasescope.telemetry.step.aggregator import StepAggregator
 from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
 
 
@@ -218,3 +222,46 @@ def test_vllm_inter_token_latencies_count_and_sum_as_vllm_observes_them() -> Non
     assert REGISTRY.get_sample_value(f"{name}_bucket", {**labels, "le": "0.01"}) == fast_before + fast
     # The stats objects are vLLM's, shared with the other loggers: left as they came.
     assert [iteration.inter_token_latencies_iter for iteration in iterations] == steps
+
+
+def test_a_report_built_when_its_batch_is_handed_on_reads_as_one_built_at_once() -> None:
+    # Served, the logger takes only the interference ledger's entry as a step comes (the requests the step woke
+    # read it next) and builds the report from vLLM's objects with the held batch: the ledger after every step,
+    # and the window once handed on, read as if each report had been built at once.
+    cost = model_cost_from_config(
+        {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2},
+        parameter_count=1_000_000,
+        dtype="float32",
+    )
+    peaks = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
+    clock = [1000.0]
+    at_once = StepAggregator(cost, "float32", peaks, clock=lambda: clock[0], batch_reports=1)
+    held = StepAggregator(cost, "float32", peaks, clock=lambda: clock[0], batch_reports=64)
+    direct, deferred = StepForwarder(), StepForwarder()
+    direct.report_sink = at_once.record_report
+    deferred.report_sink, deferred.held_sink = held.record_report, held.record_held
+    loggers = logger(direct), logger(deferred)
+    rng = random.Random(5)
+    # A mixed step before any decode-only one (the roofline split stands in), a resumed request recomputing
+    # (generation tokens beyond one per request), prefill alone, a dummy step, then a seeded mix.
+    updates = [scheduler_stats(1, 300, 4, 4), scheduler_stats(0, 0, 3, 40), scheduler_stats(2, 500, 0, 0)]
+    dummy = scheduler_stats(0, 0, 2, 2)
+    assert dummy.iteration_details is not None
+    dummy.iteration_details.is_dummy = True
+    updates.append(dummy)
+    for _ in range(150):
+        decoding = rng.randint(1, 8)
+        update = scheduler_stats(int(rng.random() < 0.3), rng.choice([0, 0, 120]), decoding, decoding)
+        assert update.iteration_details is not None
+        update.iteration_details.elapsed_ms = rng.uniform(5.0, 60.0)
+        updates.append(update)
+    for update in updates:
+        clock[0] += 0.02
+        iteration = IterationStats()  # type: ignore[no-untyped-call]  # vLLM leaves its __init__ unannotated
+        iteration.inter_token_latencies_iter = [0.02] * update.num_running_reqs
+        for each in loggers:
+            each.record(update, iteration)
+        assert held.read_interference(0) == at_once.read_interference(0)
+    assert held.read_interference(0).stalled_seconds > 0
+    held.flush_reports()
+    assert held.views() == at_once.views()

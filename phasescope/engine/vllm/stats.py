@@ -10,6 +10,7 @@ and `enable_mfu_metrics` (vLLM's analytic FLOPs and bytes of the step).
 
 from __future__ import annotations
 
+import copy
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -20,10 +21,10 @@ from prometheus_client.core import Metric
 from prometheus_client.registry import Collector
 from vllm.config import VllmConfig
 from vllm.v1.metrics.loggers import PrometheusStatLogger, StatLoggerBase
-from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerStats
+from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, SchedulerIterationDetails, SchedulerStats
 
 from phasescope.telemetry.held import HandOnSoon, observe_all
-from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.records import EngineIteration, LedgerEntry, StepForwarder, StepRecord, StepReport
 from phasescope.telemetry.step.window import wait_reason
 
 
@@ -62,14 +63,38 @@ class PhasescopeStatLogger(StatLoggerBase):
     ) -> None:
         # vLLM fails every request in flight when a stat logger raises: nothing may escape.
         try:
-            self._record(scheduler_stats, iteration_stats, engine_idx)
+            # This runs in the output handler between its passes, where every cache is cold: only the ledger's
+            # entry is taken now (the requests this step woke read the ledger next); the report is built from
+            # vLLM's objects when the held batch is handed on (`StepForwarder.report_held`).
+            self._forward.report_held(
+                self._report,
+                (scheduler_stats, iteration_stats, engine_idx),
+                self._ledger_entry(scheduler_stats, engine_idx),
+            )
         except Exception as exc:
             self._forward.failed(exc)
 
-    def _record(
+    def _decode_tokens(self, details: SchedulerIterationDetails) -> int:
+        # vLLM counts a request resumed after preemption as "generation" (it has output tokens) while it
+        # recomputes its whole sequence: that is prefill work.
+        return min(details.num_generation_tokens, details.num_generation_requests * self._max_decode_tokens_per_request)
+
+    def _ledger_entry(self, scheduler_stats: SchedulerStats | None, engine_idx: int) -> LedgerEntry | None:
+        """What the interference ledger takes of the step now (`_report`'s step, for a step that decoded)."""
+        details = scheduler_stats.iteration_details if scheduler_stats is not None else None
+        if details is None or details.is_dummy or not details.num_generation_requests:
+            return None
+        decode_tokens = self._decode_tokens(details)
+        if not decode_tokens:
+            return None
+        # Prefill shared the step: prompt chunks, or a resumed request's recomputation.
+        mixed = details.num_ctx_tokens > 0 or details.num_generation_tokens > decode_tokens
+        return engine_idx, details.num_generation_requests, mixed, details.elapsed_ms / 1e3
+
+    def _report(
         self, scheduler_stats: SchedulerStats | None, iteration_stats: IterationStats | None, engine_idx: int
-    ) -> None:
-        # One report per stats update (its parts handed on together, `StepForwarder.report`).
+    ) -> StepReport:
+        """The stats update's report: its output batch, its scheduler state, its step (each None when it has none)."""
         iteration = None
         preempted = False
         if iteration_stats is not None:
@@ -80,8 +105,7 @@ class PhasescopeStatLogger(StatLoggerBase):
                 preemptions=iteration_stats.num_preempted_reqs,
             )
         if scheduler_stats is None:
-            self._forward.report(iteration, None, None)
-            return
+            return iteration, None, None
         details = scheduler_stats.iteration_details
         scheduled = details.num_ctx_tokens + details.num_generation_tokens if details is not None else 0
         running = scheduler_stats.num_running_reqs
@@ -96,14 +120,9 @@ class PhasescopeStatLogger(StatLoggerBase):
             wait_reason(running, self._max_num_seqs, scheduled, self._token_budget, preempted),
         )
         if details is None or details.is_dummy:
-            self._forward.report(iteration, queue, None)
-            return
+            return iteration, queue, None
         perf = scheduler_stats.perf_stats
-        # vLLM counts a request resumed after preemption as "generation" (it has output
-        # tokens) while it recomputes its whole sequence: that is prefill work.
-        decode_tokens = min(
-            details.num_generation_tokens, details.num_generation_requests * self._max_decode_tokens_per_request
-        )
+        decode_tokens = self._decode_tokens(details)
         recomputed_tokens = details.num_generation_tokens - decode_tokens
         step = StepRecord(
             engine=engine_idx,
@@ -117,7 +136,7 @@ class PhasescopeStatLogger(StatLoggerBase):
             written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
             kv_cache_tokens=round(scheduler_stats.kv_cache_usage * self._kv_cache_capacity_tokens()),
         )
-        self._forward.report(iteration, queue, step)
+        return iteration, queue, step
 
     def log_engine_initialized(self) -> None:
         pass
@@ -191,13 +210,11 @@ class HeldPrometheusStatLogger(PrometheusStatLogger):
             if iteration_stats is None or not iteration_stats.inter_token_latencies_iter:
                 super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
                 continue
-            step_latencies = iteration_stats.inter_token_latencies_iter
-            latencies.setdefault(engine_idx, []).extend(step_latencies)
-            iteration_stats.inter_token_latencies_iter = []
-            try:
-                super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
-            finally:
-                iteration_stats.inter_token_latencies_iter = step_latencies
+            latencies.setdefault(engine_idx, []).extend(iteration_stats.inter_token_latencies_iter)
+            # A copy without them: vLLM's object is read by the step telemetry too, maybe on another thread.
+            without = copy.copy(iteration_stats)
+            without.inter_token_latencies_iter = []
+            super().record(scheduler_stats, without, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
         for engine_idx, amounts in latencies.items():
             histogram = self.histogram_inter_token_latency[engine_idx]
             assert isinstance(histogram, Histogram)  # vLLM types its per-engine children as any metric

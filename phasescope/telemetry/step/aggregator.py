@@ -28,7 +28,14 @@ from phasescope.telemetry.held import HandOnSoon
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.step.attribution import StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
-from phasescope.telemetry.step.records import PHASES, EngineIteration, QueueReport, StepRecord
+from phasescope.telemetry.step.records import (
+    PHASES,
+    EngineIteration,
+    LedgerEntry,
+    QueueReport,
+    StepRecord,
+    StepReport,
+)
 from phasescope.telemetry.step.verdict import (
     Headroom,
     HeadroomLimits,
@@ -175,6 +182,25 @@ class StepAggregator:
         if step is not None:
             self._ledger(step)
         self._hold(self._record_report, (iteration, queue, step))
+
+    def record_held(
+        self, build: Callable[..., StepReport], raw: tuple[object, ...], ledger: LedgerEntry | None
+    ) -> None:
+        """One stats update, its report built when it is handed on (`records.StepForwarder.report_held`); the
+        ledger's entry now, as `record_report` makes it."""
+        if ledger is not None:
+            engine, decode_requests, mixed, elapsed_seconds = ledger
+            decode_share = 0.0
+            if mixed and not self.interference.has_reference(engine):
+                # Before the engine's first decode-only step only: the step's roofline split stands in.
+                step = build(*raw)[2]
+                if step is not None:
+                    decode_share = self._attribute(step).shares["decode"].seconds
+            self.interference.add(engine, decode_requests, mixed, elapsed_seconds, decode_share)
+        self._hold(self._record_built, (build, raw))
+
+    def _record_built(self, build: Callable[..., StepReport], raw: tuple[object, ...], at: float) -> None:
+        self._record_report(*build(*raw), at=at)
 
     def _ledger(self, step: StepRecord) -> None:
         # The ledger now, held or not: the requests whose tokens this step made read its totals next.

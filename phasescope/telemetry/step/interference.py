@@ -46,28 +46,33 @@ class InterferenceLedger:
         self._decode_only: dict[int, dict[int, float]] = {}
 
     def record(self, step: StepRecord, decode_share_seconds: float) -> None:
-        kind = step.kind
-        if kind == "prefill" or step.decode_requests == 0:
+        if step.kind == "prefill" or step.decode_requests == 0:
             return
+        self.add(step.engine, step.decode_requests, step.kind == "mixed", step.elapsed_seconds, decode_share_seconds)
+
+    def add(
+        self, engine: int, decode_requests: int, mixed: bool, elapsed_seconds: float, decode_share_seconds: float
+    ) -> None:
+        """A step that decoded `decode_requests` requests (`record`'s, from the step's figures alone): `mixed`
+        when prefill shared it; `decode_share_seconds` as in `record`, read only for a mixed step before the
+        engine's first decode-only one."""
         with self._lock:
-            references = self._decode_only.setdefault(step.engine, {})
-            if kind == "decode":
-                old = references.get(step.decode_requests)
-                references[step.decode_requests] = (
-                    step.elapsed_seconds
-                    if old is None
-                    else old + DECODE_REFERENCE_SMOOTHING * (step.elapsed_seconds - old)
+            references = self._decode_only.setdefault(engine, {})
+            if not mixed:
+                old = references.get(decode_requests)
+                references[decode_requests] = (
+                    elapsed_seconds if old is None else old + DECODE_REFERENCE_SMOOTHING * (elapsed_seconds - old)
                 )
                 return
-            reference = references.get(step.decode_requests)
+            reference = references.get(decode_requests)
             if reference is None and references:
-                nearest = min(references, key=lambda batch: abs(batch - step.decode_requests))
+                nearest = min(references, key=lambda batch: abs(batch - decode_requests))
                 reference = references[nearest]
             alone = reference if reference is not None else decode_share_seconds
-            total = self._totals.get(step.engine, Interference())
-            self._totals[step.engine] = Interference(
-                total.stalled_seconds + step.elapsed_seconds,
-                total.extra_seconds + max(0.0, step.elapsed_seconds - alone),
+            total = self._totals.get(engine, Interference())
+            self._totals[engine] = Interference(
+                total.stalled_seconds + elapsed_seconds,
+                total.extra_seconds + max(0.0, elapsed_seconds - alone),
             )
 
     def has_reference(self, engine: int) -> bool:

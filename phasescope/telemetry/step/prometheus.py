@@ -10,14 +10,13 @@ instead of a misleading 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 
-import numpy
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.telemetry.held import HandOnFirst
+from phasescope.telemetry.held import HandOnFirst, observe_all
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, StepRecord
@@ -30,27 +29,6 @@ INTER_TOKEN_SECONDS_BUCKETS = (
     0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075,
     0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
 )  # fmt: skip
-
-
-def observe_all(histogram: Histogram, values: Sequence[float]) -> None:
-    """`histogram.observe(v)` for every value, with one lock per touched bucket instead of one per value.
-
-    The engine reports one inter-token gap per decoding request per step (hundreds at a large batch), and
-    the export observes a whole hand-over of held reports at once. This reads prometheus-client's bucket
-    layout (`_upper_bounds`, `_buckets`, `_sum`, stable since 0.4);
-    tests/unit/telemetry/step/test_prometheus_observe.py checks the result equals one observe() per value.
-    """
-    if not values:
-        return
-    # The first bucket whose bound is ≥ the value, as observe() picks it (bisect_left); the last bound is +Inf.
-    counts = numpy.bincount(
-        numpy.searchsorted(histogram._upper_bounds, values, side="left"), minlength=len(histogram._upper_bounds)
-    )
-    histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks
-    histogram._sum.inc(sum(values))
-    buckets = histogram._buckets
-    for index in numpy.flatnonzero(counts).tolist():
-        buckets[index].inc(int(counts[index]))
 
 
 class StepMetrics(StepSink, Collector):

@@ -59,6 +59,17 @@ QueueReport = tuple[int, int, int, float, int, str]
 """The engine's scheduler state at a stats update: engine, running, waiting, KV-cache usage, deferred, and why
 the waiting wait (`StepForwarder.queue`)."""
 
+StepReport = tuple[EngineIteration | None, QueueReport | None, StepRecord | None]
+"""One stats update of the engine (`StepForwarder.report`): its output batch, its scheduler state, its step."""
+
+LedgerEntry = tuple[int, int, bool, float]
+"""What the interference ledger takes of a step that decoded, as soon as it is reported: the engine, its
+decoding requests, whether prefill shared the step, and the step's seconds (`StepForwarder.report_held`)."""
+
+
+HeldSink = Callable[[Callable[..., StepReport], tuple[object, ...], LedgerEntry | None], None]
+"""Where `StepForwarder.report_held` hands a stats update to be built later."""
+
 
 class StepForwarder:
     """Where the engine's reports go; reports seen before a sink is attached are dropped.
@@ -75,6 +86,8 @@ class StepForwarder:
         self.queue_sink: Callable[[int, int, int, float, int, str], None] | None = None
         self.report_sink: Callable[[EngineIteration | None, QueueReport | None, StepRecord | None], None] | None = None
         """Takes a whole stats update at once (`report`); without it, each part goes to its own sink."""
+        self.held_sink: HeldSink | None = None
+        """Takes a stats update to build later (`report_held`); without it, it is built and reported at once."""
         self.on_error = on_error
 
     def failed(self, exc: BaseException) -> None:
@@ -121,3 +134,20 @@ class StepForwarder:
             self._deliver(self.queue_sink, *queue)
         if step is not None:
             self._deliver(self.sink, step)
+
+    def report_held(
+        self, build: Callable[..., StepReport], raw: tuple[object, ...], ledger: LedgerEntry | None
+    ) -> None:
+        """One stats update, as the engine's own objects (`raw`) and how to make its report of them (`build`),
+        with what the interference ledger takes of it now (None: the step decoded nothing). `held_sink` holds
+        it and builds the report when it is handed on, with the held batch's caches warm; without it, the
+        report is built and reported at once (`report`)."""
+        if self.held_sink is not None:
+            self._deliver(self.held_sink, build, raw, ledger)
+            return
+        try:
+            report = build(*raw)
+        except Exception as exc:
+            self.failed(exc)
+            return
+        self.report(*report)

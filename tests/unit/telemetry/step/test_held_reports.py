@@ -16,7 +16,7 @@ from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.interference import Interference
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import EngineIteration, StepRecord
+from phasescope.telemetry.step.records import EngineIteration, StepRecord, StepReport
 
 PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "measured", "toy device")
 COST = model_cost_from_config(
@@ -197,6 +197,56 @@ def test_an_engine_step_handed_on_as_one_report_reads_as_its_parts_handed_on_one
     assert same_scrape(exposition(whole[1]), exposition(parts[1]))
     assert whole[0].views() == parts[0].views()
     assert whole[2].figures(5.0) == parts[2].figures(5.0)
+
+
+def test_a_report_built_when_handed_on_reads_as_one_built_when_it_came() -> None:
+    # The stat logger takes only the ledger's entry as a step comes and builds its report with the held batch:
+    # every reader, the interference each request reads at each step included, sees the same.
+    clocks = FakeClock(), FakeClock()
+    built_now, built_later = served(clocks[0], 96), served(clocks[1], 96)
+    iteration: EngineIteration | None = None
+    queue: QueueSample | None = None
+    builds: list[int] = []
+
+    def build(report: StepReport) -> StepReport:
+        builds.append(1)
+        return report
+
+    for pause, report in engine_reports(seed=11):
+        for clock in clocks:
+            clock.now += pause
+        if isinstance(report, EngineIteration):
+            iteration = report
+        elif isinstance(report, StepRecord):
+            assert queue is not None
+            whole: StepReport = (iteration, (0, *queue, 0, "other"), report)
+            built_now[0].record_report(*whole)
+            ledger = None
+            if report.decode_tokens and report.decode_requests:
+                ledger = (report.engine, report.decode_requests, report.kind == "mixed", report.elapsed_seconds)
+            built_later[0].record_held(build, (whole,), ledger)
+            assert built_later[0].read_interference(0) == built_now[0].read_interference(0)
+        else:
+            queue = report
+    assert builds, "no report was built"
+    assert same_scrape(exposition(built_later[1]), exposition(built_now[1]))
+    assert built_later[0].views() == built_now[0].views()
+    assert built_later[2].figures(5.0) == built_now[2].figures(5.0)
+
+
+def test_a_report_that_cannot_be_built_costs_that_report_only() -> None:
+    failures: list[tuple[str, BaseException]] = []
+    aggregator, registry = exported_beside(StepSink(), failures, batch=2)
+
+    def broken() -> StepReport:
+        raise RuntimeError("vLLM's objects changed shape")
+
+    aggregator.record_held(broken, (), (0, 2, False, 0.05))
+    aggregator.record_report(None, (0, 2, 1, 0.5, 0, "slot"), StepRecord(0, 0, 0, 2, 2, 0.05))
+    assert [where for where, _ in failures] == ["step"]
+    assert (
+        registry.get_sample_value("phasescope_engine_steps_total", {"model": "m", "engine": "0", "kind": "decode"}) == 1
+    )
 
 
 def test_a_part_of_one_report_that_fails_costs_that_part_only() -> None:

@@ -9,7 +9,7 @@ from phasescope.telemetry.model.cost import model_cost_from_config
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost, attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord
+from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord, StepReport
 from phasescope.telemetry.step.window import overlap_fraction, wait_reason
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
@@ -276,6 +276,36 @@ def test_a_stats_update_goes_whole_to_the_report_sink_else_part_by_part() -> Non
     forward.report(iteration, queue, step)
     assert whole == [(iteration, queue, step)]
     assert len(seen) == 4
+
+
+def test_a_stats_update_to_build_later_goes_to_the_held_sink_else_is_built_and_reported_now() -> None:
+    iteration, queue, step = EngineIteration(0, (0.01,), 0), (0, 2, 1, 0.5, 0, "slot"), decode_step(2)
+
+    def build(engine: int) -> StepReport:
+        return iteration, queue, step
+
+    whole: list[tuple[object, ...]] = []
+    forward = StepForwarder()
+    forward.report_sink = lambda *report: whole.append(report)
+    forward.report_held(build, (0,), (0, 2, False, 0.05))
+    assert whole == [(iteration, queue, step)]
+    held: list[tuple[object, ...]] = []
+    forward.held_sink = lambda *update: held.append(update)
+    forward.report_held(build, (0,), None)
+    assert held == [(build, (0,), None)]
+    assert len(whole) == 1
+
+
+def test_a_report_that_cannot_be_built_is_contained_and_counted() -> None:
+    registry = CollectorRegistry()
+    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
+    forward.report_sink = lambda *report: None
+
+    def broken() -> StepReport:
+        raise KeyError("a field vLLM renamed")
+
+    forward.report_held(broken, (), None)
+    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 1
 
 
 def test_a_failing_sink_is_contained_and_counted() -> None:

@@ -1,9 +1,41 @@
+"""observe_all: a histogram fed a held batch at once reads as one observe() per amount, in order."""
+
 import math
 import random
 
 from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.exposition import generate_latest
 
 from phasescope.telemetry.held import observe_all
+
+BUCKETS = (0.01, 0.025, 0.05, 0.1)
+
+
+def exposition(values: list[float], bulk: bool) -> bytes:
+    registry = CollectorRegistry()
+    histogram = Histogram("itl_seconds", "gaps", ["model"], buckets=BUCKETS, registry=registry)
+    child = histogram.labels("m")
+    if bulk:
+        observe_all(child, values)
+    else:
+        for value in values:
+            child.observe(value)
+    lines = generate_latest(registry).splitlines()
+    return b"\n".join(line for line in lines if not line.startswith(b"itl_seconds_created"))
+
+
+def test_bulk_observation_equals_one_observe_per_value() -> None:
+    # On a bound (le is inclusive), between bounds, beyond the last finite bound, zero, negative.
+    values = [0.01, 0.0101, 0.025, 0.03, 0.05, 0.1, 0.1000001, 7.0, 0.0, -0.001, 0.01]
+    assert exposition(values, bulk=True) == exposition(values, bulk=False)
+    assert b'itl_seconds_bucket{le="0.01",model="m"} 4.0' in exposition(values, bulk=True)
+    assert b'itl_seconds_count{model="m"} 11.0' in exposition(values, bulk=True)
+
+
+def test_no_values_observe_nothing() -> None:
+    assert exposition([], bulk=True) == exposition([], bulk=False)
+    assert b'itl_seconds_count{model="m"} 0.0' in exposition([], bulk=True)
+
 
 BOUNDS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0)
 
@@ -38,7 +70,8 @@ def test_observing_all_at_once_counts_and_sums_as_observing_each_in_turn() -> No
     observe_all(batch, amounts[1000:])
     observe_all(batch, [])
     expected, got = samples(one_by_one), samples(all_at_once)
-    assert math.isnan(expected[("latency_seconds_sum", "")]) and math.isnan(got[("latency_seconds_sum", "")])
+    assert math.isnan(expected[("latency_seconds_sum", "")])
+    assert math.isnan(got[("latency_seconds_sum", "")])
     del expected[("latency_seconds_sum", "")], got[("latency_seconds_sum", "")]
     assert got == expected
     # The first 0.25 and every amount but NaN, which observe() puts in no bucket.
