@@ -80,6 +80,8 @@ def measure(args: argparse.Namespace) -> dict[str, float]:
     forward.iteration_sink = aggregator.record_iteration
     forward.queue_sink = aggregator.record_queue
     forward.report_sink = aggregator.record_report
+    # As served: the report built when the batch is handed on (ignored by a checkout from before report_held).
+    forward.held_sink = aggregator.record_held
     config: Any = SimpleNamespace(
         cache_config=SimpleNamespace(num_gpu_blocks=1000, block_size=16),
         scheduler_config=SimpleNamespace(max_num_seqs=128, max_num_batched_tokens=2048),
