@@ -17,6 +17,9 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   phase or TTFT series, no recent latencies, no traces or request logs).
 - `no-status-interceptor`: the server runs without `ExceptionToStatusInterceptor` (as vLLM's worker runs
   without any interceptor); Generate maps its own errors, other RPCs' errors would end as UNKNOWN.
+- `no-engine-mfu`: not the front end's: the engine core runs without `enable_mfu_metrics` (vLLM's analytic
+  FLOPs and bytes of every step, computed in the engine core between steps, which vLLM's worker does not
+  ask for); the step telemetry falls back on phasescope's own cost model.
 
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
@@ -34,7 +37,14 @@ import os
 import sys
 from typing import Any
 
-CUTS = ("no-step-telemetry", "no-step-reports", "bare-took", "no-request-records", "no-status-interceptor")
+CUTS = (
+    "no-step-telemetry",
+    "no-step-reports",
+    "bare-took",
+    "no-request-records",
+    "no-status-interceptor",
+    "no-engine-mfu",
+)
 
 
 def _no_step_telemetry() -> None:
@@ -98,6 +108,17 @@ def _no_status_interceptor() -> None:
     grpc.aio.server = without  # type: ignore[assignment]  # the cut being measured
 
 
+def _no_engine_mfu() -> None:
+    import vllm.engine.arg_utils
+
+    engine_args = vllm.engine.arg_utils.AsyncEngineArgs
+
+    def without(**kwargs: Any) -> Any:
+        return engine_args(**{**kwargs, "enable_mfu_metrics": False})
+
+    vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
+
+
 def apply_cuts() -> None:
     """Make the cuts `PHASESCOPE_WHAT_IF` names in this process (another study's runner may call it too)."""
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
@@ -110,6 +131,7 @@ def apply_cuts() -> None:
         "bare-took": _bare_took,
         "no-request-records": _no_request_records,
         "no-status-interceptor": _no_status_interceptor,
+        "no-engine-mfu": _no_engine_mfu,
     }
     for cut in cuts:
         patches[cut]()
