@@ -21,6 +21,10 @@ Stamps are taken in the handler's own task (a context variable carries the reque
     .venv/bin/python -m loadtests.ttft_split measure --concurrency 64 --requests 384 --rounds 6 \\
         --output split.json.gz
 
+`--variant NAME:ENV=VALUE,...` adds another phasescope server with those environment variables (another
+checkout: `PYTHONSAFEPATH=1,PYTHONPATH=<worktree>`), in every round, each round starting with the next server;
+the end prints each phasescope server's per-round TTFT and inbound ratios to vLLM's worker.
+
 A diagnostic like `front_end_step_cost`: one more generator layer around each server's Generate and one
 line written per request, the same on both sides.
 """
