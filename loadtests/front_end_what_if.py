@@ -20,6 +20,10 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
 - `no-engine-mfu`: not the front end's: the engine core runs without `enable_mfu_metrics` (vLLM's analytic
   FLOPs and bytes of every step, computed in the engine core between steps, which vLLM's worker does not
   ask for); the step telemetry falls back on phasescope's own cost model.
+- `engine-core-blocks`: not the front end's either: in the engine core process, vLLM's shared-memory queue
+  readers wait for the model worker's results polling their notification socket (at most 1 ms at a time)
+  instead of spinning with `sched_yield`, which under `--pin-cpus` shares the front end's CPU. Made when the
+  engine core imports this module again (`__mp_main__`, a process named `EngineCore...`).
 
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
@@ -28,13 +32,14 @@ time; the server now does that itself, and hands them on before every scrape:
     PHASESCOPE_WHAT_IF=no-step-telemetry,bare-took .venv/bin/python -m loadtests.front_end_what_if serve ...
 
 The engine core is a spawned process that imports this module again: the patches are made only
-in the server's own process (`__main__`).
+in the server's own process (`__main__`), but for `engine-core-blocks`.
 """
 
 from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 CUTS = (
@@ -44,6 +49,7 @@ CUTS = (
     "no-request-records",
     "no-status-interceptor",
     "no-engine-mfu",
+    "engine-core-blocks",
 )
 
 
@@ -119,19 +125,39 @@ def _no_engine_mfu() -> None:
     vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
 
 
+def _engine_core_blocks() -> None:
+    """In the engine core only: wait for the worker's results blocked on the queue's notification (at most 1 ms
+    at a time: a notification can be dropped) instead of spinning (vLLM's readers spin with `sched_yield` for
+    1 s after each read)."""
+    import zmq
+    from vllm.distributed.device_communicators import shm_broadcast
+
+    def wait(self: Any, timeout_ms: int | None = None) -> None:
+        events = dict(self.poller.poll(timeout=1 if timeout_ms is None else min(timeout_ms, 1)))
+        if self.local_notify_socket in events:
+            self.local_notify_socket.recv(flags=zmq.NOBLOCK, copy=False)
+
+    shm_broadcast.SpinCondition.wait = wait  # type: ignore[method-assign]  # the cut being measured
+
+
+def _made_in_the_engine_core() -> None:
+    """Nothing in the server's own process (the cut is made when the engine core imports this module, below)."""
+
+
 def apply_cuts() -> None:
     """Make the cuts `PHASESCOPE_WHAT_IF` names in this process (another study's runner may call it too)."""
     cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
     unknown = sorted(set(cuts) - set(CUTS))
     if unknown:
         sys.exit(f"PHASESCOPE_WHAT_IF: unknown {', '.join(unknown)} (known: {', '.join(CUTS)})")
-    patches = {
+    patches: dict[str, Callable[[], None]] = {
         "no-step-telemetry": _no_step_telemetry,
         "no-step-reports": _no_step_reports,
         "bare-took": _bare_took,
         "no-request-records": _no_request_records,
         "no-status-interceptor": _no_status_interceptor,
         "no-engine-mfu": _no_engine_mfu,
+        "engine-core-blocks": _made_in_the_engine_core,
     }
     for cut in cuts:
         patches[cut]()
@@ -144,6 +170,13 @@ def main() -> int:
 
     return phasescope_main(sys.argv[1:])
 
+
+if __name__ == "__mp_main__" and "engine-core-blocks" in os.environ.get("PHASESCOPE_WHAT_IF", "").split(","):
+    import multiprocessing
+
+    if multiprocessing.current_process().name.startswith("EngineCore"):
+        _engine_core_blocks()
+        print(f"front_end_what_if: engine-core-blocks in {multiprocessing.current_process().name}", file=sys.stderr)
 
 if __name__ == "__main__":
     sys.exit(main())
