@@ -18,6 +18,7 @@ Against vLLM's own gRPC worker, and with parts of phasescope's work cut out
 (`loadtests/front_end_what_if.py`): `--b-vllm-grpc` makes B vLLM's worker (started as `phasescope
 bench --compare` starts it, its servicer's planned warm-up off), `--engine-protocol` sends both
 sides token ids over vLLM's engine protocol as the smg gateway does (implied by `--b-vllm-grpc`),
+`--a-vllm-grpc` makes A vLLM's worker instead (started first: each server's place in the run swapped),
 `--a-what-if`/`--b-what-if` name one side's cuts, and `--pin-cpus` keeps every engine worker's
 CPUs to it as `bench --pin-cpus` does (this driver, its client included, and both servers' other
 processes on the rest):
@@ -156,7 +157,7 @@ async def _serve_and_measure(
         sides = (("a", args.a_args, args.a_env, args.a_what_if, args.a_token_ids_only),
                  ("b", args.b_args, args.b_env, args.b_what_if, args.b_token_ids_only))  # fmt: skip
         for name, extra, env, cuts, ids_only in sides:
-            if name == "b" and args.b_vllm_grpc:
+            if getattr(args, f"{name}_vllm_grpc"):
                 worker, targets[name] = start_vllm_grpc(vllm_settings(model, max_num_seqs), logs)
                 stack.callback(worker.stop)
                 servers[name] = worker
@@ -190,6 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--b-token-ids-only", action="store_true", help="B's requests ask for token ids only")
     parser.add_argument("--a-what-if", default="", metavar="CUTS", help="A's front_end_what_if cuts")
     parser.add_argument("--b-what-if", default="", metavar="CUTS", help="B's front_end_what_if cuts")
+    parser.add_argument("--a-vllm-grpc", action="store_true", help="A is vLLM's gRPC worker (started first)")
     parser.add_argument("--b-vllm-grpc", action="store_true", help="B is vLLM's gRPC worker")
     parser.add_argument("--engine-protocol", action="store_true", help="token ids over vLLM's engine protocol")
     parser.add_argument("--pin-cpus", action="store_true", help="as bench --pin-cpus")
@@ -204,7 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)
 
-    args.engine_protocol = args.engine_protocol or args.b_vllm_grpc
+    args.engine_protocol = args.engine_protocol or args.a_vllm_grpc or args.b_vllm_grpc
     max_num_seqs = max(args.concurrency, args.bursts, 16)
     engine = serve_args(max_num_seqs)
     model = ""  # phasescope's embedded default unless a tokenizer is needed here (token ids are sent)
@@ -228,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
         extra, env = getattr(args, f"{name}_args"), getattr(args, f"{name}_env")
         ids = " (token ids only)" if getattr(args, f"{name}_token_ids_only") else ""
         cuts = getattr(args, f"{name}_what_if")
-        what = "vLLM's gRPC worker" if name == "b" and args.b_vllm_grpc else extra or "(defaults)"
+        what = "vLLM's gRPC worker" if getattr(args, f"{name}_vllm_grpc") else extra or "(defaults)"
         print(f"{name.upper()}: {what} {' '.join(env)}{ids}{f' cut: {cuts}' if cuts else ''}")
     for figure in FIGURES:
         a, b = medians["a"][figure], medians["b"][figure]
