@@ -24,6 +24,9 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   readers wait for the model worker's results polling their notification socket (at most 1 ms at a time)
   instead of spinning with `sched_yield`, which under `--pin-cpus` shares the front end's CPU. Made when the
   engine core imports this module again (`__mp_main__`, a process named `EngineCore...`).
+- `switch-1ms`: not a cut but an addition: the server's interpreter hands the GIL to a waiting thread after
+  1 ms instead of Python's 5 ms (`sys.setswitchinterval`), so grpc.aio's poller thread, which brings every
+  new RPC and completed write to the event loop, waits less behind a busy loop.
 
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
@@ -50,6 +53,7 @@ CUTS = (
     "no-status-interceptor",
     "no-engine-mfu",
     "engine-core-blocks",
+    "switch-1ms",
 )
 
 
@@ -140,6 +144,10 @@ def _engine_core_blocks() -> None:
     shm_broadcast.SpinCondition.wait = wait  # type: ignore[method-assign]  # the cut being measured
 
 
+def _switch_1ms() -> None:
+    sys.setswitchinterval(0.001)
+
+
 def _made_in_the_engine_core() -> None:
     """Nothing in the server's own process (the cut is made when the engine core imports this module, below)."""
 
@@ -158,6 +166,7 @@ def apply_cuts() -> None:
         "no-status-interceptor": _no_status_interceptor,
         "no-engine-mfu": _no_engine_mfu,
         "engine-core-blocks": _made_in_the_engine_core,
+        "switch-1ms": _switch_1ms,
     }
     for cut in cuts:
         patches[cut]()

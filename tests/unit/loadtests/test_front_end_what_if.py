@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
@@ -46,3 +47,13 @@ def test_a_blocked_reader_wakes_on_its_notification_and_never_waits_long_without
         assert reader.local_notify_socket.poll(0) == 0
     finally:
         context.destroy(linger=0)
+
+
+def test_switch_1ms_shortens_the_interpreters_switch_interval(monkeypatch: pytest.MonkeyPatch) -> None:
+    before = sys.getswitchinterval()
+    monkeypatch.setenv("PHASESCOPE_WHAT_IF", "switch-1ms")
+    try:
+        front_end_what_if.apply_cuts()
+        assert sys.getswitchinterval() == pytest.approx(0.001)
+    finally:
+        sys.setswitchinterval(before)
