@@ -152,9 +152,14 @@ def _made_in_the_engine_core() -> None:
     """Nothing in the server's own process (the cut is made when the engine core imports this module, below)."""
 
 
+def named_cuts() -> list[str]:
+    """The cuts `PHASESCOPE_WHAT_IF` names, in its order."""
+    return [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
+
+
 def apply_cuts() -> None:
     """Make the cuts `PHASESCOPE_WHAT_IF` names in this process (another study's runner may call it too)."""
-    cuts = [cut for cut in os.environ.get("PHASESCOPE_WHAT_IF", "").split(",") if cut]
+    cuts = named_cuts()
     unknown = sorted(set(cuts) - set(CUTS))
     if unknown:
         sys.exit(f"PHASESCOPE_WHAT_IF: unknown {', '.join(unknown)} (known: {', '.join(CUTS)})")
@@ -180,7 +185,7 @@ def main() -> int:
     return phasescope_main(sys.argv[1:])
 
 
-if __name__ == "__mp_main__" and "engine-core-blocks" in os.environ.get("PHASESCOPE_WHAT_IF", "").split(","):
+if __name__ == "__mp_main__" and "engine-core-blocks" in named_cuts():
     import multiprocessing
 
     if multiprocessing.current_process().name.startswith("EngineCore"):
