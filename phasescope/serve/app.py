@@ -57,10 +57,11 @@ ENGINE_WATCH_INTERVAL_SECONDS = 1.0
 # The engine's step reports handed on together (one per stats update, `StepForwarder.report`: 96 steps);
 # every reader (a scrape, WatchTelemetry, GetLoads) hands on what is held before it reads (StepAggregator).
 STEP_REPORT_BATCH = 96
-# Each request's first-token and end records are held this long for the Prometheus series and the live
-# view (ObserverGroup), so a wave of new requests reaches the engine before the last wave's records are
-# observed; a scrape or a live view hands them on before it reads.
-REQUEST_RECORD_HOLD_SECONDS = 0.05
+# Each request's first-token and end records are held for the Prometheus series and the live view
+# (ObserverGroup) until no request waits for its first token, so a wave of new requests has its first
+# tokens before the last wave's records are observed; at most this long (under a load that never leaves
+# that moment). A scrape or a live view hands them on before it reads.
+REQUEST_RECORD_HOLD_SECONDS = 1.0
 HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
 # gRPC allows 4 MiB requests by default; a context window of text fits easily.
 MAX_MESSAGE_BYTES = 16 * 2**20

@@ -121,6 +121,8 @@ class RequestPath:
         self.draining = False
         self.in_flight: set[RequestLifecycle] = set()
         """Admitted requests, from their permit to their end."""
+        self.awaiting_first_chunk = 0
+        """Requests between their handler's entry and their first chunk written (or their end without one)."""
 
     def ready_engine(self) -> Engine:
         """The engine, or the reason no request can run now."""
@@ -156,6 +158,16 @@ class RequestPath:
         """A request entering its handler now, on the RPC whose `context` tells a cancellation by the
         client from one by its deadline (gRPC cancels the handler either way)."""
         return RequestLifecycle(self, streaming, functools.partial(_deadline_passed, context))
+
+    def _first_chunk_settled(self) -> None:
+        """A request has its first chunk, or ended without one. When none waits for a first token any more,
+        the observers may hand on what they hold (`ObserverGroup.hand_on_soon`): a wave of records is observed
+        after the next wave's first tokens are written, not while they are made."""
+        self.awaiting_first_chunk -= 1
+        if not self.awaiting_first_chunk:
+            quiet = getattr(self.observer, "hand_on_soon", None)
+            if quiet is not None:
+                quiet()
 
 
 _FINISH_PRECEDENCE = {"abort": 0, "error": 1, "length": 2, "stop": 3}
@@ -215,6 +227,8 @@ class RequestLifecycle:
 
     def __init__(self, path: RequestPath, streaming: bool, deadline_passed: Callable[[], bool]) -> None:
         self._path = path
+        path.awaiting_first_chunk += 1
+        self._awaiting = True
         self.streaming = streaming
         self._deadline_passed = deadline_passed
         self.front = FrontendTimestamps(entry=time.monotonic(), wall_at_entry=time.time())
@@ -269,6 +283,9 @@ class RequestLifecycle:
         else:
             # Refused (or failed) before the engine saw it: a rejection, not a request.
             self._path.count_refusal(exc)
+        if self._awaiting:
+            self._awaiting = False
+            self._path._first_chunk_settled()
 
     @asynccontextmanager
     async def admitted(self, caller: str) -> AsyncIterator[None]:
@@ -332,6 +349,9 @@ class RequestLifecycle:
         if not self.front.first_chunk_written and (self.streaming or self._handover):
             self.front = _written_at(self.front, self._handover or time.monotonic())
         self._report_first_token(self._current)
+        if self._awaiting and self.front.first_chunk_written:
+            self._awaiting = False
+            self._path._first_chunk_settled()
 
     def timings(self, sample: int = 0) -> PhaseTimings:
         return _sample_timings(self.front, self.samples[sample])
@@ -341,20 +361,29 @@ class RequestLifecycle:
             return
         sample.first_token_reported = True
         path = self._path
-        path.observer.request_first_token(
-            FirstTokenRecord(
-                model=path.model_name,
-                timings=_sample_timings(self.front, sample),
-                prefill_tokens_computed=max(0, self.prompt_tokens - sample.cached_prompt_tokens),
-                cached_prompt_tokens=min(sample.cached_prompt_tokens, self.prompt_tokens),
-                streaming=self.streaming,
-                trace_id=path.trace_id(),
-                sample=sample.index,
-                request_first=self._first_tokens_reported == 0,
-                constraint=self._parameters.constraint,
-            )
+        # What this moment knows is read now (the sample's figures so far, the current trace); the record is
+        # built when it is delivered (`ObserverGroup.request_first_token_later`), like the end's.
+        build = functools.partial(
+            _first_token_record,
+            path.model_name,
+            self.front,
+            sample.stamps,
+            sample.completion_tokens,
+            sample.interference,
+            self.prompt_tokens,
+            sample.cached_prompt_tokens,
+            self.streaming,
+            path.trace_id(),
+            sample.index,
+            self._first_tokens_reported == 0,
+            self._parameters.constraint,
         )
         self._first_tokens_reported += 1
+        later = getattr(path.observer, "request_first_token_later", None)
+        if later is not None:
+            later(build)
+        else:
+            path.observer.request_first_token(build())
 
     def _end(self, error: BaseException | None) -> None:
         front = self.front
@@ -412,6 +441,33 @@ class RequestLifecycle:
             if len(self.samples) > 1
             else (),
         )
+
+
+def _first_token_record(
+    model: str,
+    front: FrontendTimestamps,
+    stamps: EngineTimestamps,
+    completion_tokens: int,
+    interference: Interference,
+    prompt_tokens: int,
+    cached_prompt_tokens: int,
+    streaming: bool,
+    trace_id: str | None,
+    sample: int,
+    request_first: bool,
+    constraint: str,
+) -> FirstTokenRecord:
+    return FirstTokenRecord(
+        model=model,
+        timings=derive_phase_timings(front, stamps, completion_tokens, interference),
+        prefill_tokens_computed=max(0, prompt_tokens - cached_prompt_tokens),
+        cached_prompt_tokens=min(cached_prompt_tokens, prompt_tokens),
+        streaming=streaming,
+        trace_id=trace_id,
+        sample=sample,
+        request_first=request_first,
+        constraint=constraint,
+    )
 
 
 def _written_at(front: FrontendTimestamps, written: float) -> FrontendTimestamps:

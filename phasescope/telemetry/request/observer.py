@@ -10,7 +10,7 @@ not raise.
 `ObserverGroup` can hold the first-token and end-of-request records of the observers that allow it
 (`HoldsRecords`: the Prometheus series and the live view's latencies) for a moment and hand them on
 together, off the path of the requests that arrive meanwhile: when a wave of streams ends at once,
-the next wave's requests reach the engine before the last wave's records are observed. Such an
+the last wave's records are observed once every request of the next wave has its first token. Such an
 observer hands on what is held before anything reads it (a scrape, a live view), so no reader sees
 a figure late.
 """
@@ -63,8 +63,9 @@ class ObserverGroup:
     """Fans every call out to several observers; one failing does not stop the others or the request.
 
     With `hold_seconds` above 0, the first-token and end-of-request records of the observers that allow
-    it (`HoldsRecords`) are held, in order, and handed on `hold_seconds` after the first of them was
-    held (a timer on the running event loop), when `MAX_HELD_RECORDS` are held, or when such an
+    it (`HoldsRecords`) are held, in order, and handed on as soon as no request waits for its first token
+    (`hand_on_soon`, which the request path calls), at the latest `hold_seconds` after the first of them
+    was held (a timer on the running event loop), when `MAX_HELD_RECORDS` are held, or when such an
     observer is read (it calls `hand_on` first: a scrape before it collects, the live view before its
     figures). The other observers get them at once (a span is parented by the context current when
     the request ends). Thread-safe: a scrape hands on from its own thread while the event loop holds
@@ -98,6 +99,7 @@ class ObserverGroup:
         self._delivery = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
+        self._soon: asyncio.Handle | None = None
 
     @property
     def held(self) -> int:
@@ -168,18 +170,46 @@ class ObserverGroup:
     def request_finished(self, record: PhaseRecord) -> None:
         self._hold("request_finished", record)
 
+    def request_first_token_later(self, build: Callable[[], FirstTokenRecord]) -> None:
+        """A first token's record, built only when it is handed on if every observer holds records; built now
+        when any observer takes it at once."""
+        self._later("request_first_token", build)
+
     def request_finished_later(self, build: Callable[[], PhaseRecord]) -> None:
         """An ended request's record, built only when it is handed on if every observer holds records
         (building it is most of what a request's end costs); built now when any observer takes it at once."""
+        self._later("request_finished", build)
+
+    def _later(self, method: str, build: Callable[[], object]) -> None:
         if self._direct_observers or not self._held_observers:
             try:
                 record = build()
             except Exception as exc:
                 self._on_error("observer", exc)
                 return
-            self.request_finished(record)
+            self._hold(method, record)
             return
-        self._hold("request_finished", build, built=False)
+        self._hold(method, build, built=False)
+
+    def hand_on_soon(self) -> None:
+        """No request waits for its first token now (the request path says so): what is held is handed on once
+        the event loop has run what is ready (the chunks just made), not at the hold's end, which could fall
+        while the next requests wait for theirs. Nothing is done when nothing is held."""
+        if not self._held or self._soon is not None:
+            return
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self.hand_on()
+            return
+        self._soon = loop.call_soon(self._soon_hand_on)
+
+    def _soon_hand_on(self) -> None:
+        self._soon = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self.hand_on()
 
     def request_rejected(self, model: str, reason: str) -> None:
         self._fan_out("request_rejected", model, reason)

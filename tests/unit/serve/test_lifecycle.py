@@ -13,6 +13,7 @@ from phasescope.engine.base import EngineStep
 from phasescope.errors import InvalidRequestError, OverloadedError
 from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, new_engine_request_id
+from phasescope.telemetry.request.observer import ObserverGroup
 from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
 
 
@@ -203,3 +204,69 @@ def test_engine_request_ids_never_repeat_and_read_as_a_uuid_s_hex() -> None:
     ids = [new_engine_request_id() for _ in range(10_000)]
     assert len(set(ids)) == len(ids)
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
+
+
+class Held(Recorder):
+    """A Recorder whose records an ObserverGroup may hold (as the Prometheus series' and the live view's)."""
+
+    def read_after(self, hand_on: Callable[[], None]) -> None:
+        self.hand_on = hand_on
+
+
+@run
+async def test_records_are_held_while_a_request_waits_for_its_first_token_and_handed_on_once_none_does() -> None:
+    recorder = Held()
+    requests = RequestPath(ObserverGroup([recorder], hold_seconds=60.0), Admission(4, 0), "tiny")
+    async with requests.begin(True, Deadline()) as first, first.admitted(""):
+        hand(first)
+        waiting = requests.begin(True, Deadline())  # the next request, not yet at its first chunk
+        async with waiting, waiting.admitted(""):
+            first.took(step(1, finished=True))
+            first.final_timings()
+            first.chunk_written()
+            await asyncio.sleep(0)
+            # The first request's first token is held: another still waits for its own.
+            assert recorder.calls == ["started"]
+            hand(waiting)
+            waiting.took(step(1))
+            waiting.chunk_written()
+            assert requests.awaiting_first_chunk == 0
+            # Handed on once the loop has run what was ready, not at the hold's end (60 s).
+            assert recorder.calls == ["started", "started"]
+            await asyncio.sleep(0)
+            assert recorder.calls == ["started", "started", "first_token", "first_token"]
+            waiting.took(step(2, finished=True))
+            waiting.final_timings()
+            waiting.chunk_written()
+        await asyncio.sleep(0)
+        # An end with no request waiting is held (no first chunk settles), until the next quiet moment or a read.
+        assert recorder.calls.count("finished") == 0
+    recorder.hand_on()
+    assert recorder.calls == ["started", "started", "first_token", "first_token", "finished", "finished"]
+    assert [record.timings.client_time_to_first_token_seconds is not None for record in recorder.first_tokens] == [
+        True,
+        True,
+    ]
+
+
+@run
+async def test_every_way_a_request_ends_stops_it_waiting_for_a_first_token() -> None:
+    recorder = Recorder()
+    requests = path(recorder, capacity=1)
+    with pytest.raises(InvalidRequestError):
+        async with requests.begin(True, Deadline()):
+            raise InvalidRequestError("sampling.top_p", "must be in (0, 1], got 1.5")
+    async with requests.begin(True, Deadline()) as request, request.admitted(""):
+        with pytest.raises(OverloadedError):
+            async with requests.begin(True, Deadline()) as refused, refused.admitted(""):
+                pass
+        assert requests.awaiting_first_chunk == 1
+    await cancel(requests, deadline_passed=False, steps=1)
+    await cancel(requests, deadline_passed=True, steps=0)
+    async with requests.begin(False, Deadline()) as unary, unary.admitted(""):
+        hand(unary)
+        unary.took(step(1, finished=True))
+        unary.final_timings()
+        unary.chunk_written()
+        assert requests.awaiting_first_chunk == 0
+    assert requests.awaiting_first_chunk == 0

@@ -267,3 +267,49 @@ def test_a_record_that_cannot_be_built_costs_that_record_only() -> None:
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 1
     failures = {"model": MODEL, "component": "observer"}
     assert registry.get_sample_value("phasescope_telemetry_errors_total", failures) == 1
+
+
+def test_hand_on_soon_delivers_what_is_held_after_the_ready_callbacks_not_at_the_hold_s_end() -> None:
+    kept = Kept()
+    group = ObserverGroup([kept], hold_seconds=60.0)
+
+    async def serve() -> tuple[list[str], list[str], bool]:
+        group.hand_on_soon()  # nothing held: nothing to do
+        one_request(group)
+        order: list[str] = []
+        # A chunk's write, ready before the request path says no request waits for a first token.
+        asyncio.get_running_loop().call_soon(lambda: order.append(f"ready with {len(kept.seen)} seen"))
+        group.hand_on_soon()
+        group.hand_on_soon()  # asked twice before it ran: runs once
+        before = list(kept.seen)
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return before, order, group._timer is None
+
+    before, order, timer_gone = asyncio.run(serve())
+    assert before == ["started"]
+    assert order == ["ready with 1 seen"]  # what was ready ran first
+    assert kept.seen == ["started", "first_token", "finished"]
+    assert timer_gone  # the hold's timer is cancelled: nothing is left for it
+    one_request(group)  # off an event loop: handed on at once
+    group.hand_on_soon()
+    assert kept.seen.count("finished") == 2
+
+
+def test_a_first_token_s_record_is_built_only_when_it_is_handed_on() -> None:
+    kept = Kept()
+    group = ObserverGroup([kept], hold_seconds=60.0)
+    built: list[FirstTokenRecord] = []
+
+    def build() -> FirstTokenRecord:
+        built.append(first_token())
+        return built[-1]
+
+    async def serve() -> int:
+        group.request_first_token_later(build)
+        return len(built)
+
+    assert asyncio.run(serve()) == 0
+    kept.hand_on()
+    assert len(built) == 1
+    assert kept.seen == ["first_token"]
