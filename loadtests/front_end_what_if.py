@@ -54,6 +54,7 @@ CUTS = (
     "no-engine-mfu",
     "engine-core-blocks",
     "switch-1ms",
+    "timeline",
 )
 
 
@@ -148,6 +149,75 @@ def _switch_1ms() -> None:
     sys.setswitchinterval(0.001)
 
 
+def _timeline() -> None:
+    """Not a cut: every request's entry, hand-off, first chunk written and end, and every hand-on of held
+    telemetry with its duration, on the monotonic clock, written at exit to $PHASESCOPE_TIMELINE_FILE
+    (JSON lines of [time, event, detail]) for `loadtests/ttft_split.py`-style reading of where a wave waits."""
+    import atexit
+    import json
+    import time
+
+    from phasescope.engine.vllm.stats import HeldPrometheusStatLogger
+    from phasescope.serve.lifecycle import RequestLifecycle
+    from phasescope.telemetry.request.observer import ObserverGroup
+    from phasescope.telemetry.step.aggregator import StepAggregator
+
+    events: list[tuple[float, str, object]] = []
+    now = time.monotonic
+
+    def write() -> None:
+        with open(
+            os.environ.get("PHASESCOPE_TIMELINE_FILE", f"/tmp/phasescope-timeline-{os.getpid()}.jsonl"), "w"
+        ) as out:
+            for event in events:
+                out.write(json.dumps(event) + "\n")
+
+    atexit.register(write)
+    init, handed, written, leave = (
+        RequestLifecycle.__init__,
+        RequestLifecycle.handed_to_engine,
+        RequestLifecycle.chunk_written,
+        RequestLifecycle.__aexit__,
+    )
+
+    def entered(self: Any, *args: Any) -> None:
+        init(self, *args)
+        events.append((self.front.entry, "entry", id(self)))
+
+    def handed_to_engine(self: Any, *args: Any) -> None:
+        handed(self, *args)
+        events.append((now(), "handed", id(self)))
+
+    def chunk_written(self: Any) -> None:
+        first = not self.front.first_chunk_written
+        written(self)
+        if first and self.front.first_chunk_written:
+            events.append((now(), "first", id(self)))
+
+    async def left(self: Any, *args: Any) -> None:
+        await leave(self, *args)
+        events.append((now(), "end", id(self)))
+
+    RequestLifecycle.__init__ = entered  # type: ignore[method-assign]
+    RequestLifecycle.handed_to_engine = handed_to_engine  # type: ignore[method-assign]
+    RequestLifecycle.chunk_written = chunk_written  # type: ignore[method-assign]
+    RequestLifecycle.__aexit__ = left  # type: ignore[method-assign]
+
+    def timed(function: Callable[..., None], name: Callable[[Any], str]) -> Callable[..., None]:
+        def run(self: Any) -> None:
+            start = now()
+            function(self)
+            events.append((start, "hand_on", [name(self), now() - start]))
+
+        return run
+
+    ObserverGroup.hand_on = timed(ObserverGroup.hand_on, lambda self: "records")  # type: ignore[method-assign]
+    StepAggregator.flush_reports = timed(StepAggregator.flush_reports, lambda self: "step reports")  # type: ignore[method-assign]
+    HeldPrometheusStatLogger.hand_on = timed(  # type: ignore[method-assign]
+        HeldPrometheusStatLogger.hand_on, lambda self: "vLLM's series"
+    )
+
+
 def _made_in_the_engine_core() -> None:
     """Nothing in the server's own process (the cut is made when the engine core imports this module, below)."""
 
@@ -172,6 +242,7 @@ def apply_cuts() -> None:
         "no-engine-mfu": _no_engine_mfu,
         "engine-core-blocks": _made_in_the_engine_core,
         "switch-1ms": _switch_1ms,
+        "timeline": _timeline,
     }
     for cut in cuts:
         patches[cut]()

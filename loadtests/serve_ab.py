@@ -130,6 +130,9 @@ async def _measure(
             # A first in odd rounds, B first in even ones: neither always runs on a warmer machine.
             order = ["a", "b"] if index % 2 == 0 else ["b", "a"]
             for name in order:
+                # The server that just ran keeps spinning for a moment (vLLM's shared-memory queue readers poll
+                # for a second after their last message) on the CPUs the next one needs: let it go idle first.
+                await asyncio.sleep(args.settle)
                 result = await _round(targets[name], servers[name].process.pid, spec, seed, args)
                 rounds.append({"round": index + 1, "config": name, **result})
                 print(
@@ -202,6 +205,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--prompt-tokens", default="uniform:20:60")
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument(
+        "--settle", type=float, default=2.0, help="seconds of quiet before each run (the last server goes idle)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--output", type=Path, help="raw rounds as JSON, gzipped if it ends in .gz")
     args = parser.parse_args(argv)

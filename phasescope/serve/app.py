@@ -43,6 +43,7 @@ from phasescope.serve.watch import ServerFacts
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_counters
+from phasescope.telemetry.held import FIRST_TOKEN_WAITS, nobody_waits
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
@@ -206,6 +207,8 @@ class Server:
             metrics_server.server_port,
         )
         try:
+            # Held telemetry (the step reports, vLLM's series) is handed on while no request waits for its first token.
+            FIRST_TOKEN_WAITS.watch(path.waiting_for_first_token)
             steps = StepForwarder(on_error=telemetry_errors)
             engine = await self._start_engine(model_path, model_name, steps)
             if engine is None:
@@ -285,6 +288,7 @@ class Server:
             await self.health.enter_graceful_shutdown()
             await server.stop(grace=1.0)
             records.hand_on()  # what the last requests left held
+            FIRST_TOKEN_WAITS.watch(nobody_waits)
             if self._python_gc_young_threshold is not None:
                 # The engine's start-up objects become collectable again as it closes.
                 thaw_startup_heap(self._python_gc_young_threshold)

@@ -159,6 +159,10 @@ class RequestPath:
         client from one by its deadline (gRPC cancels the handler either way)."""
         return RequestLifecycle(self, streaming, functools.partial(_deadline_passed, context))
 
+    def waiting_for_first_token(self) -> bool:
+        """Whether a request has entered its handler and has no first chunk written yet."""
+        return self.awaiting_first_chunk > 0
+
     def _first_chunk_settled(self) -> None:
         """A request has its first chunk, or ended without one. When none waits for a first token any more,
         the observers may hand on what they hold (`ObserverGroup.hand_on_soon`): a wave of records is observed

@@ -23,19 +23,49 @@ def nothing_held() -> None:
     """Hands on nothing: nothing is held."""
 
 
+def nobody_waits() -> bool:
+    """No request waits for its first token (what a process serving no requests says)."""
+    return False
+
+
+class FirstTokenWaits:
+    """Whether some request of this process waits for its first token: a batch of held telemetry waits for the
+    moment none does (`HandOnSoon`). The server points it at its request path (`watch`); each batch's wait is
+    bounded (`HandOnSoon.longest_wait`)."""
+
+    def __init__(self) -> None:
+        self.waiting: Callable[[], bool] = nobody_waits
+
+    def watch(self, waiting: Callable[[], bool]) -> None:
+        self.waiting = waiting
+
+
+FIRST_TOKEN_WAITS = FirstTokenWaits()
+"""The process's: vLLM makes its stat loggers itself, so theirs is found here, not handed in."""
+
+
 class HandOnSoon:
-    """Runs `hand_on` once the event loop has run what is ready now, instead of at once.
+    """Runs `hand_on` once the event loop has run what is ready now, instead of at once, and while no request
+    waits for its first token.
 
     A batch of held reports fills up in vLLM's output handler, right after it has handed an engine step's
     outputs to their requests and before any of them has written its chunk: handed on there, the batch
     (milliseconds of work) would make every stream of that step wait. Called with the loop's ready
-    callbacks queued first, it runs after those chunks are written. Off the event loop (no loop running
-    in the calling thread) it runs at once. Asked again before it ran, it runs once."""
+    callbacks queued first, it runs after those chunks are written. While a request waits for its first
+    token (`FirstTokenWaits`: a wave of new requests being taken in, their prefills being scheduled), the
+    batch waits too, looking again every `recheck_seconds`, for at most `longest_wait` seconds: a stall of
+    milliseconds there would delay every first token behind it. Off the event loop (no loop running in the
+    calling thread) it runs at once. Asked again before it ran, it runs once."""
 
-    def __init__(self, hand_on: Callable[[], None]) -> None:
+    recheck_seconds = 0.002
+    longest_wait = 1.0
+
+    def __init__(self, hand_on: Callable[[], None], waits: FirstTokenWaits = FIRST_TOKEN_WAITS) -> None:
         self._hand_on = hand_on
+        self._waits = waits
         self._lock = threading.Lock()
         self._pending = False
+        self._asked = 0.0
 
     def __call__(self) -> None:
         try:
@@ -47,9 +77,13 @@ class HandOnSoon:
             if self._pending:
                 return
             self._pending = True
-        loop.call_soon(self._run)
+        self._asked = loop.time()
+        loop.call_soon(self._run, loop)
 
-    def _run(self) -> None:
+    def _run(self, loop: asyncio.AbstractEventLoop) -> None:
+        if self._waits.waiting() and loop.time() - self._asked < self.longest_wait:
+            loop.call_later(self.recheck_seconds, self._run, loop)
+            return
         with self._lock:
             self._pending = False
         self._hand_on()

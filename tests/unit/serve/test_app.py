@@ -16,8 +16,9 @@ from prometheus_client import CollectorRegistry
 from phasescope.client.client import AsyncClient, build_request
 from phasescope.serve.app import Server, event_loop_factory
 from phasescope.serve.config import Settings, SettingsError, parse_settings
+from phasescope.telemetry.held import FIRST_TOKEN_WAITS, nobody_waits
 from phasescope.telemetry.step.records import StepForwarder
-from support.fake_engine import ScriptedEngine
+from support.fake_engine import Script, ScriptedEngine
 
 SETTINGS = Settings(
     model="/models/scripted",
@@ -164,6 +165,27 @@ def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released
     finally:
         gc.unfreeze()
         gc.set_threshold(*before)
+
+
+def test_held_telemetry_waits_while_a_request_of_this_server_waits_for_its_first_token() -> None:
+    factory = Factory()
+    factory.engine = ScriptedEngine(lambda prompt: Script(queue_seconds=0.3))
+
+    async def scenario() -> tuple[bool, bool, bool]:
+        async with serving(factory) as (server, running, client):
+            answer = asyncio.create_task(client.generate(build_request(prompt="a slow first token", max_tokens=2)))
+            for _ in range(200):
+                if FIRST_TOKEN_WAITS.waiting():
+                    break
+                await asyncio.sleep(0.005)
+            while_queued = FIRST_TOKEN_WAITS.waiting()
+            await answer
+            answered = FIRST_TOKEN_WAITS.waiting()
+            server.request_stop()
+            await running
+        return while_queued, answered, FIRST_TOKEN_WAITS.waiting is nobody_waits
+
+    assert asyncio.run(scenario()) == (True, False, True)
 
 
 @pytest.mark.parametrize(
