@@ -198,10 +198,10 @@ def _timeline() -> None:
         await leave(self, *args)
         events.append((now(), "end", id(self)))
 
-    RequestLifecycle.__init__ = entered  # type: ignore[method-assign]
-    RequestLifecycle.handed_to_engine = handed_to_engine  # type: ignore[method-assign]
+    RequestLifecycle.__init__ = entered  # type: ignore[method-assign,assignment]
+    RequestLifecycle.handed_to_engine = handed_to_engine  # type: ignore[method-assign,assignment]
     RequestLifecycle.chunk_written = chunk_written  # type: ignore[method-assign]
-    RequestLifecycle.__aexit__ = left  # type: ignore[method-assign]
+    RequestLifecycle.__aexit__ = left  # type: ignore[method-assign,assignment]
 
     def timed(function: Callable[..., None], name: Callable[[Any], str]) -> Callable[..., None]:
         def run(self: Any) -> None:
