@@ -28,6 +28,10 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
   1 ms instead of Python's 5 ms (`sys.setswitchinterval`), so grpc.aio's poller thread, which brings every
   new RPC and completed write to the event loop, waits less behind a busy loop.
 
+- `timeline`: not a cut but an addition: every request's handler entry, hand-off, first chunk written and end,
+  and every hand-on of held telemetry with its duration, written at exit to `$PHASESCOPE_TIMELINE_FILE`
+  (`loadtests/wave_timeline.py` reads where a wave of new requests waits).
+
 (A third cut, `held-vllm-prometheus`, handed vLLM's own `PrometheusStatLogger` 32 steps' reports at a
 time; the server now does that itself, and hands them on before every scrape:
 `phasescope.engine.vllm.stats.HeldPrometheusStatLogger`.)
@@ -149,12 +153,24 @@ def _switch_1ms() -> None:
     sys.setswitchinterval(0.001)
 
 
+TIMELINE: list[tuple[float, str, object]] = []
+"""The `timeline` addition's events: [time, event, detail]."""
+
+
+def write_timeline() -> None:
+    """The timeline so far, as JSON lines, to $PHASESCOPE_TIMELINE_FILE (`loadtests/wave_timeline.py` reads it)."""
+    import json
+
+    with open(os.environ.get("PHASESCOPE_TIMELINE_FILE", f"/tmp/phasescope-timeline-{os.getpid()}.jsonl"), "w") as out:
+        for event in TIMELINE:
+            out.write(json.dumps(event) + "\n")
+
+
 def _timeline() -> None:
     """Not a cut: every request's entry, hand-off, first chunk written and end, and every hand-on of held
-    telemetry with its duration, on the monotonic clock, written at exit to $PHASESCOPE_TIMELINE_FILE
-    (JSON lines of [time, event, detail]) for `loadtests/ttft_split.py`-style reading of where a wave waits."""
+    telemetry with its duration, on the monotonic clock, written at exit (`write_timeline`) for
+    `loadtests/wave_timeline.py` to read where a wave of new requests waits."""
     import atexit
-    import json
     import time
 
     from phasescope.engine.vllm.stats import HeldPrometheusStatLogger
@@ -162,17 +178,10 @@ def _timeline() -> None:
     from phasescope.telemetry.request.observer import ObserverGroup
     from phasescope.telemetry.step.aggregator import StepAggregator
 
-    events: list[tuple[float, str, object]] = []
+    events = TIMELINE
     now = time.monotonic
 
-    def write() -> None:
-        with open(
-            os.environ.get("PHASESCOPE_TIMELINE_FILE", f"/tmp/phasescope-timeline-{os.getpid()}.jsonl"), "w"
-        ) as out:
-            for event in events:
-                out.write(json.dumps(event) + "\n")
-
-    atexit.register(write)
+    atexit.register(write_timeline)
     init, handed, written, leave = (
         RequestLifecycle.__init__,
         RequestLifecycle.handed_to_engine,

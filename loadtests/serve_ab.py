@@ -10,9 +10,12 @@ alternating between them round by round so machine drift hits both alike:
 Each round is one closed-loop run of `--requests` seeded requests (the same prompts on A and
 B in a round). Printed per round and as medians: output tokens/s, TPOT p50, TTFT p50 and the
 front-end process's CPU seconds per 1,000 streamed tokens (user + system of the serving
-process only, not its engine core), then B ÷ A. `--a-env`/`--b-env` set environment variables
-of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make one side's requests
-ask for token ids without text. Raw rounds go to --output.
+process only, not its engine core), then B ÷ A of the medians and B ÷ A round by round (with the
+median of the rounds' ratios: drift between rounds cancels within one). `--a-env`/`--b-env` set
+environment variables of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make
+one side's requests ask for token ids without text. Raw rounds go to --output; `serve_ab ratios
+ROUNDS.json.gz [a|b]` prints a kept run's ratios round by round, that side ÷ the other (b by default).
+Each run starts after `--settle` seconds of quiet (the server that ran last goes idle first).
 
 Against vLLM's own gRPC worker, and with parts of phasescope's work cut out
 (`loadtests/front_end_what_if.py`): `--b-vllm-grpc` makes B vLLM's worker (started as `phasescope
@@ -32,6 +35,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gzip
+import json
 import shlex
 import statistics
 import sys
@@ -183,7 +188,42 @@ async def _serve_and_measure(
         return await _measure(servers, targets, args)
 
 
+def round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> dict[str, list[float]]:
+    """Each figure's ratio in every round both sides ran, `numerator` ÷ the other side, in round order."""
+    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    for result in rounds:
+        by_round.setdefault(result["round"], {})[result["config"]] = result
+    other = "a" if numerator == "b" else "b"
+    pairs = [sides for _, sides in sorted(by_round.items()) if numerator in sides and other in sides]
+    return {
+        figure: [sides[numerator][figure] / sides[other][figure] for sides in pairs if sides[other][figure]]
+        for figure in FIGURES
+    }
+
+
+def print_round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> None:
+    """The ratios round by round, their median, and in how many rounds the numerator's figure was the higher:
+    drift on the machine lands on both sides of a round alike, so a round's ratio is steadier than a median's."""
+    name = numerator.upper()
+    other = "A" if name == "B" else "B"
+    print(f"per round, {name} ÷ {other}: the median of the rounds' ratios (rounds where {name} is higher), each")
+    for figure, ratios in round_ratios(rounds, numerator).items():
+        if ratios:
+            higher = sum(ratio > 1 for ratio in ratios)
+            each = " ".join(f"{ratio:.2f}" for ratio in ratios)
+            print(f"{figure:>38}: {statistics.median(ratios):.3f} ({higher} of {len(ratios)})  {each}")
+
+
 def main(argv: list[str] | None = None) -> int:
+    if argv is None:
+        argv = sys.argv[1:]
+    if argv[:1] == ["ratios"]:
+        # `serve_ab ratios ROUNDS.json.gz [a|b]`: a kept run's per-round ratios, the side named first ÷ the other.
+        raw = json.loads(
+            gzip.decompress(Path(argv[1]).read_bytes()) if argv[1].endswith(".gz") else Path(argv[1]).read_text()
+        )
+        print_round_ratios(raw["rounds"], argv[2] if len(argv) > 2 else "b")
+        return 0
     stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--a-args", default="", help="serve flags of configuration A (shell-quoted)")
@@ -241,6 +281,7 @@ def main(argv: list[str] | None = None) -> int:
     for figure in FIGURES:
         a, b = medians["a"][figure], medians["b"][figure]
         print(f"{figure:>38}: A {a:10.4f}  B {b:10.4f}  B ÷ A {b / a if a else float('nan'):.3f}")
+    print_round_ratios(rounds)
     if args.output:
         raw = {"command": " ".join(sys.argv), "arguments": vars(args) | {"output": str(args.output)},
                "rounds": rounds, "medians": medians}  # fmt: skip
