@@ -14,7 +14,8 @@ process only, not its engine core), then B ÷ A of the medians and B ÷ A round 
 median of the rounds' ratios: drift between rounds cancels within one). `--a-env`/`--b-env` set
 environment variables of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make
 one side's requests ask for token ids without text. Raw rounds go to --output; `serve_ab ratios
-ROUNDS.json.gz [a|b]` prints a kept run's ratios round by round, that side ÷ the other (b by default).
+ROUNDS.json.gz[:a|:b] ...` prints kept runs' ratios round by round, that side ÷ the other (b by default),
+the runs' rounds pooled.
 Each run starts after `--settle` seconds of quiet (the server that ran last goes idle first).
 
 Against vLLM's own gRPC worker, and with parts of phasescope's work cut out
@@ -190,7 +191,7 @@ async def _serve_and_measure(
 
 def round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> dict[str, list[float]]:
     """Each figure's ratio in every round both sides ran, `numerator` ÷ the other side, in round order."""
-    by_round: dict[int, dict[str, dict[str, Any]]] = {}
+    by_round: dict[Any, dict[str, dict[str, Any]]] = {}
     for result in rounds:
         by_round.setdefault(result["round"], {})[result["config"]] = result
     other = "a" if numerator == "b" else "b"
@@ -214,16 +215,26 @@ def print_round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> No
             print(f"{figure:>38}: {statistics.median(ratios):.3f} ({higher} of {len(ratios)})  {each}")
 
 
+def reread(kept: list[str]) -> int:
+    """`serve_ab ratios ROUNDS.json.gz[:a|:b] ...`: kept runs' ratios round by round, the named side ÷ the other
+    (b by default), several runs' rounds pooled (the same server in each place, say)."""
+    pooled: list[dict[str, Any]] = []
+    for number, entry in enumerate(kept):
+        path, _, side = entry.rpartition(":") if entry.endswith((":a", ":b")) else (entry, "", "b")
+        raw = Path(path).read_bytes()
+        for result in json.loads(gzip.decompress(raw) if path.endswith(".gz") else raw)["rounds"]:
+            # Renamed so the named side is B, each run's rounds numbered apart.
+            config = "b" if result["config"] == side else "a"
+            pooled.append(result | {"round": (number, result["round"]), "config": config})
+    print_round_ratios(pooled)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     if argv is None:
         argv = sys.argv[1:]
     if argv[:1] == ["ratios"]:
-        # `serve_ab ratios ROUNDS.json.gz [a|b]`: a kept run's per-round ratios, the side named first ÷ the other.
-        raw = json.loads(
-            gzip.decompress(Path(argv[1]).read_bytes()) if argv[1].endswith(".gz") else Path(argv[1]).read_text()
-        )
-        print_round_ratios(raw["rounds"], argv[2] if len(argv) > 2 else "b")
-        return 0
+        return reread(argv[1:])
     stop_on_sigterm()  # the servers and engines it starts are stopped on SIGTERM too
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--a-args", default="", help="serve flags of configuration A (shell-quoted)")

@@ -33,6 +33,18 @@ def test_each_round_s_ratio_pairs_the_sides_of_that_round() -> None:
 def test_a_kept_run_is_read_again_side_over_side(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     kept = tmp_path / "rounds.json.gz"
     write_results(kept, {"rounds": ROUNDS})
-    assert serve_ab.main(["ratios", str(kept), "a"]) == 0
+    assert serve_ab.main(["ratios", f"{kept}:a"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "median_ttft_ms" in line)
     assert "1.080 (1 of 2)" in line  # the median of 50/55 and 50/40, and A was higher in one round
+
+
+def test_runs_with_the_places_swapped_are_pooled_by_the_side_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first, swapped = tmp_path / "first.json.gz", tmp_path / "swapped.json"
+    write_results(first, {"rounds": ROUNDS})
+    # The same server in the other place: its figures under "b" now.
+    write_results(swapped, {"rounds": [result(1, "a", 40.0), result(1, "b", 36.0)]})
+    assert serve_ab.main(["ratios", f"{first}:a", f"{swapped}:b"]) == 0
+    line = next(line for line in capsys.readouterr().out.splitlines() if "median_ttft_ms" in line)
+    assert "0.909 (1 of 3)" in line  # 50/55, 50/40 and 36/40, round 1 of each run paired within its run
