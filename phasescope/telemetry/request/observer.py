@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, runtime_checkable
 
+from phasescope.telemetry.held import HandOnSoon
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 
 
@@ -99,7 +100,8 @@ class ObserverGroup:
         self._delivery = threading.Lock()
         self._timer: asyncio.TimerHandle | None = None
         self._timer_loop: asyncio.AbstractEventLoop | None = None
-        self._soon: asyncio.Handle | None = None
+        # What `hand_on_soon` runs: after the loop's ready callbacks, while no request waits for its first token.
+        self._soon = HandOnSoon(self._soon_hand_on)
 
     @property
     def held(self) -> int:
@@ -193,19 +195,13 @@ class ObserverGroup:
 
     def hand_on_soon(self) -> None:
         """No request waits for its first token now (the request path says so): what is held is handed on once
-        the event loop has run what is ready (the chunks just made), not at the hold's end, which could fall
-        while the next requests wait for theirs. Nothing is done when nothing is held."""
-        if not self._held or self._soon is not None:
-            return
-        try:
-            loop = asyncio.get_running_loop()
-        except RuntimeError:
-            self.hand_on()
-            return
-        self._soon = loop.call_soon(self._soon_hand_on)
+        the event loop has run what is ready (the chunks just made), if still no request waits then (else at the
+        next such moment: `HandOnSoon`), not at the hold's end, which could fall while the next requests wait
+        for theirs. Nothing is done when nothing is held."""
+        if self._held:
+            self._soon()
 
     def _soon_hand_on(self) -> None:
-        self._soon = None
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
