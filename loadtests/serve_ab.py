@@ -202,11 +202,12 @@ def round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> dict[str
     }
 
 
-def print_round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> None:
+def print_round_ratios(rounds: list[dict[str, Any]], numerator: str = "b", names: tuple[str, str] = ("", "")) -> None:
     """The ratios round by round, their median, and in how many rounds the numerator's figure was the higher:
-    drift on the machine lands on both sides of a round alike, so a round's ratio is steadier than a median's."""
-    name = numerator.upper()
-    other = "A" if name == "B" else "B"
+    drift on the machine lands on both sides of a round alike, so a round's ratio is steadier than a median's.
+    `names` names the numerator's side and the other (A and B by default)."""
+    name = names[0] or numerator.upper()
+    other = names[1] or ("A" if name == "B" else "B")
     print(f"per round, {name} ÷ {other}: the median of the rounds' ratios (rounds where {name} is higher), each")
     for figure, ratios in round_ratios(rounds, numerator).items():
         if ratios:
@@ -226,7 +227,7 @@ def reread(kept: list[str]) -> int:
             # Renamed so the named side is B, each run's rounds numbered apart.
             config = "b" if result["config"] == side else "a"
             pooled.append(result | {"round": (number, result["round"]), "config": config})
-    print_round_ratios(pooled)
+    print_round_ratios(pooled, names=("the side named", "the other"))
     return 0
 
 
