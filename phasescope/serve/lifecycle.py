@@ -163,7 +163,7 @@ class RequestPath:
         """Whether a request has entered its handler and has no first chunk written yet."""
         return self.awaiting_first_chunk > 0
 
-    def _first_chunk_settled(self) -> None:
+    def first_chunk_settled(self) -> None:
         """A request has its first chunk, or ended without one. When none waits for a first token any more,
         the observers may hand on what they hold (`ObserverGroup.hand_on_soon`): a wave of records is observed
         after the next wave's first tokens are written, not while they are made."""
@@ -287,9 +287,7 @@ class RequestLifecycle:
         else:
             # Refused (or failed) before the engine saw it: a rejection, not a request.
             self._path.count_refusal(exc)
-        if self._awaiting:
-            self._awaiting = False
-            self._path._first_chunk_settled()
+        self._stop_waiting()
 
     @asynccontextmanager
     async def admitted(self, caller: str) -> AsyncIterator[None]:
@@ -354,8 +352,13 @@ class RequestLifecycle:
             self.front = _written_at(self.front, self._handover or time.monotonic())
         self._report_first_token(self._current)
         if self._awaiting and self.front.first_chunk_written:
+            self._stop_waiting()
+
+    def _stop_waiting(self) -> None:
+        """This request no longer waits for its first chunk (counted once, however it stopped)."""
+        if self._awaiting:
             self._awaiting = False
-            self._path._first_chunk_settled()
+            self._path.first_chunk_settled()
 
     def timings(self, sample: int = 0) -> PhaseTimings:
         return _sample_timings(self.front, self.samples[sample])
