@@ -314,7 +314,8 @@ class RequestLifecycle:
         self.request_id = request_id
         self._parameters = parameters
         self._prompt_text = prompt_text
-        self.samples.extend(SampleProgress(index) for index in range(1, parameters.samples))
+        if parameters.samples > 1:
+            self.samples.extend(SampleProgress(index) for index in range(1, parameters.samples))
         self._handed = True
         self._path.observer.request_started(self._path.model_name)
 

@@ -225,10 +225,17 @@ def check_prompt_length(prompt_tokens: int, limits: ModelLimits, field: str) -> 
         )
 
 
-@dataclass(frozen=True, slots=True)
+def _finite(prefix: str, name: str, value: float | None) -> float | None:
+    if value is not None and not math.isfinite(value):
+        raise InvalidRequestError(f"{prefix}{name}", f"must be a finite number, got {value}")
+    return value
+
+
+@dataclass(slots=True)
 class SamplingAsk:
     """Sampling values as a request asked for them, whichever protocol: None is "not asked" (the
-    model's default); `check_sampling` validates them."""
+    model's default); `check_sampling` validates them. Made once per request and read once, so not
+    frozen, as `SamplingSpec` is not; treat it as a value."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -327,32 +334,27 @@ def check_sampling(
                 f"window of {limits.max_model_len} tokens (at most {room} fit)",
             )
 
-    def finite(name: str, value: float | None) -> float | None:
-        if value is not None and not math.isfinite(value):
-            raise InvalidRequestError(f"{prefix}{name}", f"must be a finite number, got {value}")
-        return value
-
     def refuse(name: str, message: str) -> None:
         raise InvalidRequestError(f"{prefix}{name}", message)
 
-    temperature = finite("temperature", ask.temperature)
+    temperature = _finite(prefix, "temperature", ask.temperature)
     if temperature is not None and temperature < 0:
         refuse("temperature", f"must be 0 (greedy) or more, got {temperature}")
-    top_p = finite("top_p", ask.top_p)
+    top_p = _finite(prefix, "top_p", ask.top_p)
     if top_p is not None and not 0 < top_p <= 1:
         refuse("top_p", f"must be in (0, 1], got {top_p}")
     if ask.top_k is not None and ask.top_k < -1:
         refuse("top_k", f"must be -1 or 0 (disabled) or positive, got {ask.top_k}")
-    min_p = finite("min_p", ask.min_p)
+    min_p = _finite(prefix, "min_p", ask.min_p)
     if min_p is not None and not 0 <= min_p <= 1:
         refuse("min_p", f"must be in [0, 1], got {min_p}")
-    presence = finite("presence_penalty", ask.presence_penalty)
+    presence = _finite(prefix, "presence_penalty", ask.presence_penalty)
     if presence is not None and not -2 <= presence <= 2:
         refuse("presence_penalty", f"must be in [-2, 2], got {presence}")
-    frequency = finite("frequency_penalty", ask.frequency_penalty)
+    frequency = _finite(prefix, "frequency_penalty", ask.frequency_penalty)
     if frequency is not None and not -2 <= frequency <= 2:
         refuse("frequency_penalty", f"must be in [-2, 2], got {frequency}")
-    repetition = finite("repetition_penalty", ask.repetition_penalty)
+    repetition = _finite(prefix, "repetition_penalty", ask.repetition_penalty)
     if repetition is not None and repetition <= 0:
         refuse("repetition_penalty", f"must be greater than 0, got {repetition}")
 

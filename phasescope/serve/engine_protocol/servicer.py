@@ -157,7 +157,8 @@ class VllmEngineServicer:
         if step.finished:
             timings = timings_message(lifecycle.final_timings())
             context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
-        response = pb.GenerateResponse(complete=_complete(step, output_ids, lifecycle))
+        response = pb.GenerateResponse()
+        _fill_complete(response.complete, step, output_ids, lifecycle)
         if logprobs:
             _fill_logprobs(response.complete.output_logprobs, logprobs)
         return response
@@ -296,20 +297,21 @@ def _fill_top(top: pb.TopLogProbs, entry: TokenLogprob) -> None:
         top.values.append(value)
 
 
-def _complete(step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle) -> pb.GenerateComplete:
-    complete = pb.GenerateComplete(
-        output_ids=output_ids,
-        finish_reason=step.finish_reason or "stop",
-        prompt_tokens=lifecycle.prompt_tokens,
-        completion_tokens=len(output_ids),
-        cached_tokens=step.cached_prompt_tokens,
-        index=step.index,
-    )
+def _fill_complete(
+    complete: pb.GenerateComplete, step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle
+) -> None:
+    """A sample's `GenerateComplete`, filled in place (as `_chunk` is, for the same reason)."""
+    complete.output_ids.extend(output_ids)
+    complete.finish_reason = step.finish_reason or "stop"
+    complete.prompt_tokens = lifecycle.prompt_tokens
+    complete.completion_tokens = len(output_ids)
+    complete.cached_tokens = step.cached_prompt_tokens
+    if step.index:
+        complete.index = step.index
     if isinstance(step.stop_reason, int):
         complete.matched_token_id = step.stop_reason
     elif isinstance(step.stop_reason, str):
         complete.matched_stop_str = step.stop_reason
-    return complete
 
 
 def _unary(behaviour: Any, request: type[Message], response: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:

@@ -12,7 +12,7 @@ The stamps are on one monotonic clock (`phases` says why): `entry`, `handed_to_e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 FrontendStamp = Literal["entry", "handed_to_engine", "ended"]
@@ -34,10 +34,11 @@ class Stage:
     """Observed for a request that ended before its first token (the engine stamped nothing)."""
     only_without_first_token: bool = False
     """Exists only for a request that ended before its first token."""
+    seconds_field: str = field(init=False)
+    """`<name>_seconds`: where `PhaseTimings` and `Timings` hold it (made once: it is read many times a request)."""
 
-    @property
-    def seconds_field(self) -> str:
-        return f"{self.name}_seconds"
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "seconds_field", f"{self.name}_seconds")  # a frozen dataclass's own field
 
 
 FRONTEND = Stage(
