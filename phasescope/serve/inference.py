@@ -4,7 +4,7 @@ Everything protocol-independent (admission, the stages, the first-token and phas
 rejection counts) is the hallway's: `phasescope.serve.lifecycle`. The servicer never
 touches Prometheus or tracing. Exceptions leave through
 `phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status table (GenerateStream
-applies it itself, `status_on_error`, so its chunks cross no wrapper generator).
+applies it itself, `StatusOnError`, so its chunks cross no wrapper generator).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from phasescope.engine.base import Engine, EngineStep, TokenLogprob
 from phasescope.engine.request import ParsedInput
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
-from phasescope.serve.interceptors import maps_own_errors, status_on_error
+from phasescope.serve.interceptors import StatusOnError, maps_own_errors
 from phasescope.serve.lifecycle import (
     RequestLifecycle,
     RequestPath,
@@ -187,7 +187,7 @@ class InferenceServicer:
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         # The status mapping is here, not in an interceptor's wrapper: each chunk crosses one generator fewer.
-        async with status_on_error(context), aclosing(self._run(request, context, streaming=True)) as chunks:
+        async with StatusOnError(context), aclosing(self._run(request, context, streaming=True)) as chunks:
             async for chunk in chunks:
                 yield chunk
 

@@ -16,10 +16,11 @@ UNIMPLEMENTED naming themselves; the gateway tells them from failures.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncGenerator, Iterator, Sequence
-from contextlib import aclosing, contextmanager
+from collections.abc import AsyncGenerator, Sequence
+from contextlib import aclosing
 from datetime import UTC, datetime
 from pathlib import Path
+from types import TracebackType
 from typing import Any
 
 import grpc
@@ -32,7 +33,7 @@ from phasescope.errors import InvalidRequestError, NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import scheduler_loads
 from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
-from phasescope.serve.interceptors import maps_own_errors, status_on_error
+from phasescope.serve.interceptors import StatusOnError, maps_own_errors
 from phasescope.serve.lifecycle import (
     RequestLifecycle,
     RequestPath,
@@ -67,17 +68,9 @@ class VllmEngineServicer:
         """Where GetLoads reads the engine's figures (phasescope.serve.app, once they exist)."""
         self._telemetry = source
 
-    @contextmanager
-    def _abortable(self, request_id: str, engine_request_id: str) -> Iterator[None]:
+    def _abortable(self, request_id: str, engine_request_id: str) -> _Abortable:
         """The request can be aborted by the gateway's id while the engine runs it."""
-        engine_ids = self._engine_ids.setdefault(request_id, set())
-        engine_ids.add(engine_request_id)
-        try:
-            yield
-        finally:
-            engine_ids.discard(engine_request_id)
-            if not engine_ids:
-                del self._engine_ids[request_id]
+        return _Abortable(self._engine_ids, request_id, engine_request_id)
 
     @maps_own_errors
     async def Generate(
@@ -87,7 +80,7 @@ class VllmEngineServicer:
         self._last_receive = time.time()
         streaming = not isinstance(request, UndecodableRequest) and request.stream
         # The status mapping is here, not in an interceptor's wrapper: each message crosses one generator.
-        async with status_on_error(context), path.begin(streaming, context) as lifecycle:
+        async with StatusOnError(context), path.begin(streaming, context) as lifecycle:
             engine = path.ready_engine()
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)
@@ -250,6 +243,29 @@ class VllmEngineServicer:
         # The gateway falls back to polling GetLoads when a worker offers no KV-event stream.
         raise NotOfferedError("SubscribeKvEvents: KV-cache events are not relayed by this worker")
         yield  # an async generator: a server-streaming RPC
+
+
+class _Abortable:
+    """Lists an engine request under the gateway's id while it runs (`Abort` finds it there). A class, not a
+    generator-based context manager: entered by every request."""
+
+    __slots__ = ("_by_request", "_engine_request_id", "_request_id")
+
+    def __init__(self, by_request: dict[str, set[str]], request_id: str, engine_request_id: str) -> None:
+        self._by_request = by_request
+        self._request_id = request_id
+        self._engine_request_id = engine_request_id
+
+    def __enter__(self) -> None:
+        self._by_request.setdefault(self._request_id, set()).add(self._engine_request_id)
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
+    ) -> None:
+        engine_ids = self._by_request[self._request_id]
+        engine_ids.discard(self._engine_request_id)
+        if not engine_ids:
+            del self._by_request[self._request_id]
 
 
 def _chunk(step: EngineStep, prompt_tokens: int, first_prompt_token: int) -> pb.GenerateResponse:

@@ -56,9 +56,13 @@ class EngineTimestamps:
     """The latest output token was produced."""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class FrontendTimestamps:
-    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached."""
+    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached.
+
+    A request's lifecycle makes a new one at each reading (four a request, on the path a wave of new
+    requests waits on), never changing one a record holds, so it is not frozen (making a frozen one costs
+    twice as much); treat it as a value."""
 
     entry: float
     """The handler was entered: what the client waits for starts here."""
@@ -76,9 +80,12 @@ class FrontendTimestamps:
         return self.wall_at_entry + (monotonic - self.entry)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class PhaseTimings:
-    """Where a request's time went. A stage it never reached, or never left, is None."""
+    """Where a request's time went. A stage it never reached, or never left, is None.
+
+    Derived three times a request (its first token, its last chunk's timings, its record), so not frozen,
+    as the timestamps it comes from are not; treat it as a value."""
 
     frontend_seconds: float | None
     queue_seconds: float | None

@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from phasescope.errors import InvalidRequestError, OverloadedError
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor, maps_own_errors, status_on_error
+from phasescope.serve.interceptors import ExceptionToStatusInterceptor, StatusOnError, maps_own_errors
 
 SERVICE = "test.Echo"
 
@@ -33,7 +33,7 @@ async def stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
 
 @maps_own_errors
 async def own_stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
-    async with status_on_error(context):
+    async with StatusOnError(context):
         yield b"first"
         if request == b"overload":
             raise OverloadedError("full")
