@@ -14,6 +14,11 @@ output handler feeds them: every step wakes each stream once.
 
 Run from a checkout: `python loadtests/engine_protocol_path_cost.py --requests 2000 --max-tokens 128
 --concurrency 64 --repeats 5`. It prints CPU µs per token and per request for each, repeat by repeat.
+`--stages --requests 3000 --repeats 3` runs two-token requests one at a time instead and splits each one's
+time: its intake (handler entered → the engine asked), its first output → first chunk, and its end.
+Instruction counts do not drift with the machine as its times do: under `valgrind --tool=callgrind`,
+`--requests N --max-tokens 1 --repeats 1 --only NAME` at two values of N, the difference of the totals ÷
+the difference of N is one server's instructions per request.
 """
 
 from __future__ import annotations
@@ -69,6 +74,8 @@ class FakeLLM:
     def __init__(self, clock: _Clock, max_tokens: int) -> None:
         self._clock = clock
         self._max_tokens = max_tokens
+        self.marks: list[float] = []
+        """perf_counter() when the engine is asked for a request, then when each of its outputs is handed out."""
         self.errored = False
         self.engine_core = SimpleNamespace()
         self.renderer = SimpleNamespace(process_for_engine=lambda prompt, arrival_time=None: prompt)
@@ -80,14 +87,17 @@ class FakeLLM:
 
     async def generate(self, prompt: Any, sampling_params: Any, request_id: str, **_: Any) -> AsyncGenerator[Any, None]:
         """vLLM's servicer reads `generate`."""
+        self.marks.append(time.perf_counter())
         outputs = self._outputs(prompt, request_id)
         for _step in range(self._max_tokens):
             await self._clock.step()
+            self.marks.append(time.perf_counter())
             yield next(outputs)
 
     async def add_request(self, request_id: str, prompt: Any, params: Any, **_: Any) -> FakeCollector:
         """phasescope's engine reads the request's output collector, as `AsyncLLM.generate` does."""
-        return FakeCollector(request_id, self._clock, self._outputs(prompt, request_id))
+        self.marks.append(time.perf_counter())
+        return FakeCollector(request_id, self._clock, self._outputs(prompt, request_id), self.marks)
 
     def _outputs(self, prompt: Any, request_id: str) -> Iterator[Any]:
         ids = prompt["prompt_token_ids"] if isinstance(prompt, dict) else []
@@ -125,16 +135,18 @@ class FakeLLM:
 class FakeCollector:
     """Enough of vLLM's `RequestOutputCollector`: the next output once the clock ticks."""
 
-    def __init__(self, request_id: str, clock: _Clock, outputs: Iterator[Any]) -> None:
+    def __init__(self, request_id: str, clock: _Clock, outputs: Iterator[Any], marks: list[float]) -> None:
         self.request_id = request_id
         self._clock = clock
         self._outputs = outputs
+        self._marks = marks
 
     def get_nowait(self) -> None:
         return None
 
     async def get(self) -> Any:
         await self._clock.step()
+        self._marks.append(time.perf_counter())
         return next(self._outputs)
 
     def close(self) -> None:
@@ -240,6 +252,52 @@ async def measure(name: str, requests: int, max_tokens: int, concurrency: int) -
     return {"cpu_us_per_token": cpu / tokens * 1e6, "cpu_s": cpu, "wall_s": wall}
 
 
+async def stages(name: str, requests: int) -> dict[str, list[float]]:
+    """Two-token requests, each alone, one after another: for each, in µs, its intake (handler entered → the
+    engine asked for it), its first output → its first chunk, and its end (the second chunk made → the handler
+    done: the last chunk written, the `GenerateComplete`, the handler's exit)."""
+    clock = _Clock()
+    llm = FakeLLM(clock, 2)
+    handler, hand_on = phasescope_handler(llm) if name == "phasescope" else vllm_handler(llm)
+    done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+    ticker = asyncio.create_task(clock.run(done))
+    pending = [_request(i, 2) for i in range(requests)]
+    measured: dict[str, list[float]] = {"intake": [], "first_output_to_chunk": [], "end": []}
+    for index, request in enumerate(pending):
+        llm.marks.clear()
+        responses = handler(request, FakeContext()).__aiter__()
+        entered = time.perf_counter()
+        await anext(responses)
+        first_chunk = time.perf_counter()
+        await anext(responses)
+        second_chunk = time.perf_counter()
+        async for _ in responses:
+            pass
+        ended = time.perf_counter()
+        asked, first_output = llm.marks[0], llm.marks[1]
+        measured["intake"].append((asked - entered) * 1e6)
+        measured["first_output_to_chunk"].append((first_chunk - first_output) * 1e6)
+        measured["end"].append((ended - second_chunk) * 1e6)
+        if index % 256 == 255:
+            hand_on()  # as the server hands held records on between waves
+    done.set_result(None)
+    await ticker
+    return measured
+
+
+def print_stages(requests: int, repeats: int) -> None:
+    """`--stages`: each server's p10 and p50 per stage, repeat by repeat (the first 10 % of requests left out)."""
+    for repeat in range(repeats):
+        for name in ("vllm", "phasescope"):
+            gc.collect()
+            measured = asyncio.run(stages(name, requests))
+            cells = []
+            for stage, values in measured.items():
+                kept = sorted(values[len(values) // 10 :])
+                cells.append(f"{stage} {kept[len(kept) // 10]:6.1f} / {kept[len(kept) // 2]:6.1f}")
+            print(f"#{repeat + 1} {name:10s} µs p10 / p50: " + "  ".join(cells))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=1000)
@@ -247,8 +305,12 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--only", choices=("phasescope", "vllm"), default=None)
+    parser.add_argument("--stages", action="store_true", help="split each request's own cost into its stages")
     args = parser.parse_args()
     logging.disable(logging.INFO)  # vLLM's servicer logs every request at INFO; its cost is not the subject
+    if args.stages:
+        print_stages(args.requests, args.repeats)
+        return
     names = [args.only] if args.only else ["vllm", "phasescope"]
     results: dict[str, list[float]] = {name: [] for name in names}
     for repeat in range(args.repeats):
