@@ -15,7 +15,7 @@ median of the rounds' ratios: drift between rounds cancels within one). `--a-env
 environment variables of one server (e.g. LD_PRELOAD); `--a-token-ids-only`/`--b-token-ids-only` make
 one side's requests ask for token ids without text. Raw rounds go to --output; `serve_ab ratios
 ROUNDS.json.gz[:a|:b] ...` prints kept runs' ratios round by round, that side ÷ the other (b by default),
-the runs' rounds pooled.
+the runs' rounds pooled, each median with its 95 % bootstrap interval over the rounds.
 Each run starts after `--settle` seconds of quiet (the server that ran last goes idle first).
 
 Against vLLM's own gRPC worker, and with parts of phasescope's work cut out
@@ -45,6 +45,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import psutil
 
 from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, stop_on_sigterm, write_results
@@ -202,18 +203,34 @@ def round_ratios(rounds: list[dict[str, Any]], numerator: str = "b") -> dict[str
     }
 
 
+def median_interval(ratios: list[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:
+    """A 95 % bootstrap interval of the median of `ratios` (rounds resampled with replacement, seeded):
+    how far the rounds a run kept pin its median down on this machine."""
+    draws = np.random.default_rng(seed).choice(np.asarray(ratios), size=(resamples, len(ratios)))
+    low, high = np.percentile(np.median(draws, axis=1), [2.5, 97.5])
+    return float(low), float(high)
+
+
 def print_round_ratios(rounds: list[dict[str, Any]], numerator: str = "b", names: tuple[str, str] = ("", "")) -> None:
-    """The ratios round by round, their median, and in how many rounds the numerator's figure was the higher:
-    drift on the machine lands on both sides of a round alike, so a round's ratio is steadier than a median's.
-    `names` names the numerator's side and the other (A and B by default)."""
+    """The ratios round by round, their median, in how many rounds the numerator's figure was the higher, and
+    the median's 95 % bootstrap interval: drift on the machine lands on both sides of a round alike, so a
+    round's ratio is steadier than a median's. `names` names the numerator's side and the other (A and B by
+    default)."""
     name = names[0] or numerator.upper()
     other = names[1] or ("A" if name == "B" else "B")
-    print(f"per round, {name} ÷ {other}: the median of the rounds' ratios (rounds where {name} is higher), each")
+    print(
+        f"per round, {name} ÷ {other}: the median of the rounds' ratios (rounds where {name} is higher) "
+        "[its 95 % bootstrap interval], each"
+    )
     for figure, ratios in round_ratios(rounds, numerator).items():
         if ratios:
             higher = sum(ratio > 1 for ratio in ratios)
+            low, high = median_interval(ratios)
             each = " ".join(f"{ratio:.2f}" for ratio in ratios)
-            print(f"{figure:>38}: {statistics.median(ratios):.3f} ({higher} of {len(ratios)})  {each}")
+            print(
+                f"{figure:>38}: {statistics.median(ratios):.3f} ({higher} of {len(ratios)}) "
+                f"[{low:.3f}–{high:.3f}]  {each}"
+            )
 
 
 def reread(kept: list[str]) -> int:

@@ -48,3 +48,12 @@ def test_runs_with_the_places_swapped_are_pooled_by_the_side_named(
     assert serve_ab.main(["ratios", f"{first}:a", f"{swapped}:b"]) == 0
     line = next(line for line in capsys.readouterr().out.splitlines() if "median_ttft_ms" in line)
     assert "0.909 (1 of 3)" in line  # 50/55, 50/40 and 36/40, round 1 of each run paired within its run
+
+
+def test_the_median_s_interval_narrows_with_more_rounds_and_holds_the_median() -> None:
+    spread = [0.9, 1.1, 0.95, 1.05, 1.0, 0.85, 1.15, 1.02]
+    few_low, few_high = serve_ab.median_interval(spread)
+    many_low, many_high = serve_ab.median_interval(spread * 8)
+    assert few_low <= 1.01 <= few_high
+    assert many_high - many_low < few_high - few_low
+    assert serve_ab.median_interval([1.0] * 5) == (1.0, 1.0)
