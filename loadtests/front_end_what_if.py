@@ -20,6 +20,11 @@ changed, to be loaded side by side with the unchanged server or vLLM's gRPC work
 - `no-engine-mfu`: not the front end's: the engine core runs without `enable_mfu_metrics` (vLLM's analytic
   FLOPs and bytes of every step, computed in the engine core between steps, which vLLM's worker does not
   ask for); the step telemetry falls back on phasescope's own cost model.
+- `no-engine-step-details`: not the front end's: the engine core runs with neither `enable_mfu_metrics` nor
+  `enable_logging_iteration_details` (each step's token counts and time, and its analytic FLOPs and bytes,
+  neither of which vLLM's worker asks for). Without a step's details the front end makes no step record of
+  it either (no window, views, interference or step series): an upper bound on what the per-step accounting
+  costs, the engine core's share and the front end's together.
 - `engine-core-blocks`: not the front end's either: in the engine core process, vLLM's shared-memory queue
   readers wait for the model worker's results polling their notification socket (at most 1 ms at a time)
   instead of spinning with `sched_yield`, which under `--pin-cpus` shares the front end's CPU. Made when the
@@ -56,6 +61,7 @@ CUTS = (
     "no-request-records",
     "no-status-interceptor",
     "no-engine-mfu",
+    "no-engine-step-details",
     "engine-core-blocks",
     "switch-1ms",
     "timeline",
@@ -130,6 +136,17 @@ def _no_engine_mfu() -> None:
 
     def without(**kwargs: Any) -> Any:
         return engine_args(**{**kwargs, "enable_mfu_metrics": False})
+
+    vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
+
+
+def _no_engine_step_details() -> None:
+    import vllm.engine.arg_utils
+
+    engine_args = vllm.engine.arg_utils.AsyncEngineArgs
+
+    def without(**kwargs: Any) -> Any:
+        return engine_args(**{**kwargs, "enable_mfu_metrics": False, "enable_logging_iteration_details": False})
 
     vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
 
@@ -249,6 +266,7 @@ def apply_cuts() -> None:
         "no-request-records": _no_request_records,
         "no-status-interceptor": _no_status_interceptor,
         "no-engine-mfu": _no_engine_mfu,
+        "no-engine-step-details": _no_engine_step_details,
         "engine-core-blocks": _made_in_the_engine_core,
         "switch-1ms": _switch_1ms,
         "timeline": _timeline,
