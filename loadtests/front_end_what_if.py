@@ -129,26 +129,24 @@ def _no_status_interceptor() -> None:
     grpc.aio.server = without  # type: ignore[assignment]  # the cut being measured
 
 
-def _no_engine_mfu() -> None:
+def _engine_started_without(*flags: str) -> None:
+    """The engine's `AsyncEngineArgs` made with each of `flags` False, whatever the server asks for."""
     import vllm.engine.arg_utils
 
     engine_args = vllm.engine.arg_utils.AsyncEngineArgs
 
     def without(**kwargs: Any) -> Any:
-        return engine_args(**{**kwargs, "enable_mfu_metrics": False})
+        return engine_args(**{**kwargs, **dict.fromkeys(flags, False)})
 
     vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
+
+
+def _no_engine_mfu() -> None:
+    _engine_started_without("enable_mfu_metrics")
 
 
 def _no_engine_step_details() -> None:
-    import vllm.engine.arg_utils
-
-    engine_args = vllm.engine.arg_utils.AsyncEngineArgs
-
-    def without(**kwargs: Any) -> Any:
-        return engine_args(**{**kwargs, "enable_mfu_metrics": False, "enable_logging_iteration_details": False})
-
-    vllm.engine.arg_utils.AsyncEngineArgs = without  # type: ignore[assignment,misc]  # the cut being measured
+    _engine_started_without("enable_mfu_metrics", "enable_logging_iteration_details")
 
 
 def _engine_core_blocks() -> None:
