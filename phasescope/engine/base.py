@@ -25,6 +25,7 @@ class EngineOptions:
     max_model_len: int | None = None
     enforce_eager: bool = False
     max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
     stream_interval: int = 1
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1

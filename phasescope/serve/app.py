@@ -250,6 +250,7 @@ class Server:
             steps.report_sink = aggregated.record_report
             steps.held_sink = aggregated.record_held
             path.interference = aggregated.read_interference
+            path.on_engine_dead = functools.partial(self._engine_died, path)
             if not description.on_cpu:
                 self._gpu_counters = await asyncio.to_thread(
                     start_gpu_counters, self.registry, model_name, environ=env_cuda_devices()
@@ -280,7 +281,7 @@ class Server:
                 frozen,
                 young,
             )
-            watcher = asyncio.create_task(self._watch_engine(engine))
+            watcher = asyncio.create_task(self._watch_engine(engine, path))
             await self._stop.wait()
             watcher.cancel()
             await self._drain(servicer)
@@ -325,15 +326,33 @@ class Server:
         logger.info("engine started in %.1f s", time.monotonic() - started)
         return engine
 
-    async def _watch_engine(self, engine: Engine) -> None:
+    async def _watch_engine(self, engine: Engine, path: RequestPath) -> None:
+        """Notices a death no request has met yet (an idle engine's)."""
         while True:
             await asyncio.sleep(ENGINE_WATCH_INTERVAL_SECONDS)
             if engine.is_dead:
-                logger.error("the engine died; health is NOT_SERVING and the server exits")
-                await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
-                self.exit_code = 1
-                self.request_stop()
+                await self._engine_died(path)
                 return
+
+    async def _engine_died(self, path: RequestPath) -> None:
+        """Once, at the first sign: health NOT_SERVING, the requests that were running named in the log (their
+        ids, never their text: an operator finds the one that killed it in vLLM's own dump of the step), and
+        the server stops with exit code 1 so its supervisor restarts it."""
+        if self.exit_code:
+            return
+        self.exit_code = 1
+        await self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+        running = sorted(
+            f"{request.request_id} (engine id {request.engine_request_id})"
+            for request in path.in_flight
+            if request.request_id
+        )
+        logger.error(
+            "the engine died; health is NOT_SERVING and the server exits. Requests in the engine when it died (%d): %s",
+            len(running),
+            ", ".join(running) or "none",
+        )
+        self.request_stop()
 
     async def _drain(self, servicer: InferenceServicer) -> None:
         servicer.start_draining()

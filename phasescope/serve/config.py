@@ -118,6 +118,10 @@ class Settings(BaseSettings):
     # number inside `int | None` (in the other order it would compare None with the bound).
     max_model_len: Annotated[int | None, Field(ge=1), BeforeValidator(_blank_is_none)] = None
     """Context window in tokens (prompt + output); unset: the model's own."""
+    max_num_batched_tokens: Annotated[int | None, Field(ge=1), BeforeValidator(_blank_is_none)] = None
+    """Tokens the engine computes in one step, prompts and outputs together (vLLM's max_num_batched_tokens): a
+    prompt longer than what is left of it is prefilled over several steps (chunked prefill); unset: vLLM's
+    default (2048)."""
     max_concurrent_requests: AtLeastOne = 64
     """Requests the engine runs at once (vLLM's max_num_seqs); more wait in the engine's queue."""
     max_queued_requests: NoneOrMore = 256
@@ -265,6 +269,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             max_num_seqs=self.max_concurrent_requests,
+            max_num_batched_tokens=self.max_num_batched_tokens,
             stream_interval=self.stream_interval,
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,

@@ -179,7 +179,7 @@ class InferenceServicer:
             samples=sampling.n,
         )
         prompt_text = _prompt_text(parsed) if self._path.capture_text else ""
-        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text)
+        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text, engine_request_id)
         return steps, request_id
 
     @maps_own_errors

@@ -28,7 +28,7 @@ import functools
 import itertools
 import os
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from types import TracebackType
 from typing import Any, Protocol
@@ -123,6 +123,9 @@ class RequestPath:
         """Admitted requests, from their permit to their end."""
         self.awaiting_first_chunk = 0
         """Requests between their handler's entry and their first chunk written (or their end without one)."""
+        self.on_engine_dead: Callable[[], Awaitable[None]] = _nothing
+        """Awaited when a request finds the engine dead, before its UNAVAILABLE leaves (the server turns health
+        NOT_SERVING there, so no client hears of the death before the health service says so)."""
 
     def ready_engine(self) -> Engine:
         """The engine, or the reason no request can run now."""
@@ -172,6 +175,10 @@ class RequestPath:
             quiet = getattr(self.observer, "hand_on_soon", None)
             if quiet is not None:
                 quiet()
+
+
+async def _nothing() -> None:
+    return None
 
 
 # What a request not yet handed to the engine asked for, as far as its record says (a value: made once).
@@ -239,6 +246,7 @@ class RequestLifecycle:
         self._deadline_passed = deadline_passed
         self.front = FrontendTimestamps(entry=time.monotonic(), wall_at_entry=time.time())
         self.request_id = ""
+        self.engine_request_id = ""
         self.prompt_tokens = 0
         self._first = SampleProgress(0)
         self.samples: list[SampleProgress] = [self._first]
@@ -284,6 +292,8 @@ class RequestLifecycle:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
+        if isinstance(exc, EngineUnavailableError):
+            await self._path.on_engine_dead()  # found dead before admission (no-op when already told)
         if self._handed:
             self._end(exc)
         else:
@@ -296,17 +306,23 @@ class RequestLifecycle:
         return Admitted(self, self._path.admission.permit(caller))
 
     def handed_to_engine(
-        self, prompt_tokens: int, request_id: str, parameters: RequestParameters, prompt_text: str
+        self,
+        prompt_tokens: int,
+        request_id: str,
+        parameters: RequestParameters,
+        prompt_text: str,
+        engine_request_id: str = "",
     ) -> None:
         """The engine has the request (`parameters.samples` sequences of it): from here on it is observed
         as a request, and ends with a record. `prompt_text` is what a record with text capture on carries
-        (empty otherwise)."""
+        (empty otherwise); `engine_request_id` is the engine's id for it (vLLM's logs name that one)."""
         front = self.front
         self.front = FrontendTimestamps(
             front.entry, front.wall_at_entry, time.monotonic(), front.first_chunk_written, front.ended
         )
         self.prompt_tokens = prompt_tokens
         self.request_id = request_id
+        self.engine_request_id = engine_request_id or request_id
         self._parameters = parameters
         self._prompt_text = prompt_text
         if parameters.samples > 1:
@@ -463,7 +479,10 @@ class Admitted:
     async def __aexit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
-        self._request._path.in_flight.discard(self._request)
+        path = self._request._path
+        if isinstance(exc, EngineUnavailableError):
+            await path.on_engine_dead()  # while this request is still listed among those the engine ran
+        path.in_flight.discard(self._request)
         await self._permit.__aexit__(exc_type, exc, traceback)
 
 

@@ -33,6 +33,9 @@ from phasescope.telemetry.step.records import StepForwarder
 logger = logging.getLogger(__name__)
 
 CPU_DEFAULT_KV_CACHE_GIB = 2.0
+# vLLM's worker extension that keeps seeded sampling alive on CPU builds (a name: the module patches vLLM's CPU
+# runner when imported, which must happen in the worker process only).
+CPU_SEEDED_SAMPLING = "phasescope.engine.vllm.cpu_sampling.SeededSamplingOnCpu"
 
 
 def configure_engine_logging(level: str) -> None:
@@ -221,12 +224,16 @@ class VllmEngine:
             max_model_len=options.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
             enforce_eager=options.enforce_eager,
             max_num_seqs=options.max_num_seqs,
+            max_num_batched_tokens=options.max_num_batched_tokens,
             stream_interval=options.stream_interval,
             tensor_parallel_size=options.tensor_parallel_size,
             pipeline_parallel_size=options.pipeline_parallel_size,
             data_parallel_size=options.data_parallel_size,
             distributed_executor_backend=options.distributed_executor_backend or None,
             kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+            # On a CPU, seeded requests whose prompt is prefilled over several steps would kill the engine
+            # (phasescope.engine.vllm.cpu_sampling): vLLM loads the remedy in its worker process.
+            worker_extension_cls=CPU_SEEDED_SAMPLING if current_platform.is_cpu() else "",
             # Request stats carry the engine timestamps the phases come from.
             disable_log_stats=False,
             enable_log_requests=False,
@@ -440,7 +447,10 @@ class VllmEngine:
                     # A client that went away closes this generator, which never comes back
                     # as an output; an abort not asked for here came from the engine, which
                     # does that when an engine core stops.
-                    raise EngineUnavailableError("the engine aborted the request: an engine core stopped")
+                    raise EngineUnavailableError(
+                        "the engine died while this request was running (an engine core stopped); the server stops "
+                        "so that its supervisor restarts it"
+                    )
                 stats = output.metrics
                 stamps = None
                 if stats is not None:
@@ -478,7 +488,9 @@ class VllmEngine:
                 await llm.abort(collector.request_id, internal=True)
             raise
         except vllm.EngineDeadError as exc:
-            raise EngineUnavailableError("the engine is dead; the server must be restarted") from exc
+            raise EngineUnavailableError(
+                "the engine died while this request was running; the server stops so that its supervisor restarts it"
+            ) from exc
         except vllm.VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or unnamed, str(exc)) from exc
         except Exception:

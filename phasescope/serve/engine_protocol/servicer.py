@@ -103,7 +103,7 @@ class VllmEngineServicer:
                     samples=sampling.n,
                 )
                 text = asked.parsed.prompt if path.capture_text else ""
-                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text)
+                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text, engine_request_id)
                 with self._abortable(asked.request_id, engine_request_id):
                     # One generator between the engine and gRPC (a second layer costs every message).
                     # A unary call's samples: each one's ids and log probabilities, and its last step.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import sys
 import threading
 from collections.abc import AsyncIterator
@@ -14,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.client.client import AsyncClient, build_request
+from phasescope.errors import EngineUnavailableError
 from phasescope.serve.app import Server, event_loop_factory
 from phasescope.serve.config import Settings, SettingsError, parse_settings
 from phasescope.telemetry.held import FIRST_TOKEN_WAITS, nobody_waits
@@ -122,6 +124,48 @@ def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
     code, engine_state = asyncio.run(scenario())
     assert code == 1
     assert engine_state == "closed"
+
+
+def test_a_request_that_meets_a_dead_engine_sees_health_off_first_and_the_log_names_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Guards issue 45: the death was told to clients up to a second before health said NOT_SERVING.
+    factory = Factory()
+
+    def script(prompt: list[int]) -> Script:
+        if prompt[0] == 666:
+            # The engine dies under this request (vLLM's EngineDeadError, as the adapter translates it).
+            return Script(fail_after=1, failure=EngineUnavailableError("the engine died while this request ran"))
+        return Script(hang_after=1)
+
+    factory.engine = ScriptedEngine(script)
+
+    async def scenario() -> tuple[grpc.StatusCode, str, str, int]:
+        async with serving(factory) as (_, running, client):
+            bystander = client.generate(build_request(token_ids=[7, 8], max_tokens=50, request_id="bystander-1"))
+            bystander_task = asyncio.ensure_future(bystander)
+            await asyncio.sleep(0.05)
+            try:
+                await client.generate(build_request(token_ids=[666, 1], max_tokens=8, request_id="killer-7"))
+                code, message = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as exc:
+                code, message = exc.code(), exc.details() or ""
+            # Asked at once: the status left only after health had turned.
+            health = await client.health()
+            bystander_task.cancel()
+            exit_code = await asyncio.wait_for(running, 10)
+        return code, message, health, exit_code
+
+    with caplog.at_level(logging.ERROR, logger="phasescope.serve.app"):
+        code, message, health, exit_code = asyncio.run(scenario())
+    assert code is grpc.StatusCode.UNAVAILABLE
+    assert "the engine died" in message
+    assert health == "NOT_SERVING"
+    assert exit_code == 1
+    deaths = [record.getMessage() for record in caplog.records if "the engine died" in record.getMessage()]
+    assert len(deaths) == 1
+    assert "killer-7" in deaths[0]
+    assert "bystander-1" in deaths[0]
 
 
 def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypatch: pytest.MonkeyPatch) -> None:
