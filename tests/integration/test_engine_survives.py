@@ -13,10 +13,13 @@ further (docs/reliability.md records what that found).
 
 from __future__ import annotations
 
+import json
 import os
+from collections import Counter
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -210,6 +213,7 @@ fuzzed_requests = st.builds(
     st.integers(0, 30_000),
 )
 fuzzed_batches = st.lists(fuzzed_requests, min_size=1, max_size=3)
+FUZZ_OUTCOMES: Counter[tuple[str, str, str]] = Counter()
 
 
 def v1_request(case: FuzzRequest) -> pb.GenerateRequest:
@@ -284,6 +288,7 @@ def test_fuzzed_batches_on_both_protocols_never_kill_the_engine(
     server, stub, pool = fuzz_target
     outcomes = list(pool.map(lambda item: send(server, stub, item[1], f"fuzz-{item[0]}"), enumerate(batch)))
     for (code, details), case in zip(outcomes, batch, strict=True):
+        FUZZ_OUTCOMES[(case.protocol, "stream" if case.stream else "unary", code.name)] += 1
         assert code in (OK, INVALID), (code, details, case.protocol, len(case.prompt), case.values)
     # A dead engine is the failure, whatever the statuses said.
     assert_engine_alive(server, stub)
@@ -293,6 +298,12 @@ def test_after_the_fuzz_the_chunking_server_is_idle_and_serves(
     fuzz_target: tuple[ServerProcess, Any, ThreadPoolExecutor],
 ) -> None:
     server, stub, _ = fuzz_target
+    if report := os.environ.get("PHASESCOPE_FUZZ_REPORT"):
+        # A longer campaign's tally, for docs/reliability.md: requests by protocol, call kind and status.
+        rows = [
+            {"protocol": p, "call": c, "status": s, "requests": n} for (p, c, s), n in sorted(FUZZ_OUTCOMES.items())
+        ]
+        Path(report).write_text(json.dumps(rows, indent=1) + "\n")
     assert server.wait_engine_idle(timeout=20) == {"running": 0, "waiting": 0, "in_flight": 0}
     code, ids, details = engine_generate(
         stub,
