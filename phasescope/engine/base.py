@@ -31,6 +31,25 @@ class EngineOptions:
     pipeline_parallel_size: int = 1
     data_parallel_size: int = 1
     distributed_executor_backend: str = ""
+    kv_events_config: str = ""
+    """vLLM's `KVEventsConfig` as a JSON object (empty: no KV-cache events)."""
+
+
+class EngineConfigError(ValueError):
+    """The engine refuses a configuration it was given (one line naming the setting and the field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvEventPublisher:
+    """Where one data-parallel rank of the engine publishes its KV-cache events (vLLM's ZMQ publisher)."""
+
+    rank: int
+    endpoint: str
+    """The publisher's address as it binds it (e.g. tcp://*:5557)."""
+    replay_endpoint: str | None = None
+    """Where missed events are asked for again, when the publisher keeps them."""
+    topic: str = ""
+    high_water_mark: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,6 +84,8 @@ class ModelDescription:
     """Tokens the KV cache holds, per engine: its blocks × tokens per block (0 when unknown)."""
     kv_cache_block_size: int = 0
     kv_cache_dtype: str = "auto"
+    kv_event_publishers: tuple[KvEventPublisher, ...] = ()
+    """The engine's KV-cache event publishers, one per data-parallel rank (none: events are off)."""
 
 
 @dataclass(frozen=True, slots=True)

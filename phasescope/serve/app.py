@@ -18,14 +18,13 @@ import logging
 import signal
 import time
 from collections.abc import Callable
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metrics
 
-from phasescope.engine.base import Engine
+from phasescope.engine.base import Engine, EngineConfigError
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phasescope.environment import env_auth_tokens, env_cuda_devices
 from phasescope.serve.admission import Admission
@@ -71,9 +70,9 @@ MAX_MESSAGE_BYTES = 16 * 2**20
 def resolve_model(settings: Settings) -> tuple[str, str]:
     """(path or hub id to load, name to serve it as); prepares the embedded default when --model is empty."""
     if settings.model:
-        path = settings.model
-        name = settings.served_model_name or Path(path.rstrip("/")).name
-        return path, name
+        # As vLLM's own worker: the model is known by --model exactly as given (a path or a hub id), which is
+        # what gateways and clients configured for vLLM send.
+        return settings.model, settings.served_model_name or settings.model
     return str(ensure_default_model()), settings.served_model_name or DEFAULT_MODEL_NAME
 
 
@@ -319,7 +318,12 @@ class Server:
         stop.cancel()
         # A start-up thread cannot be interrupted: wait for it even when asked to stop,
         # so its engine processes are shut down rather than orphaned.
-        engine = await start
+        try:
+            engine = await start
+        except EngineConfigError as exc:
+            logger.error("the engine refused its configuration: %s", exc)
+            self.exit_code = 2
+            return None
         self._engine = engine
         if self._stop.is_set():
             return None

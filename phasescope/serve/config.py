@@ -26,6 +26,7 @@ values, so `settings_from` checks it after the model is built: code and tests ma
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -63,6 +64,22 @@ def _blank_is_false(value: object) -> object:
     return False if value == "" else value
 
 
+def _json_object(value: object) -> object:
+    # A setting in the shape of one of vLLM's config classes: a JSON object, read once here so a typo is a
+    # settings error at start; the engine passes its fields to vLLM, which names any field it refuses.
+    if value is None or value == "":
+        return ""
+    if not isinstance(value, str):
+        raise ValueError("a JSON object")
+    try:
+        parsed = json.loads(value)
+    except ValueError as exc:
+        raise ValueError(f"a JSON object (not valid JSON: {exc})") from None
+    if not isinstance(parsed, dict):
+        raise ValueError("a JSON object")
+    return value
+
+
 def _lowercase(value: object) -> object:
     # Log levels are read case-blind (INFO or info), as `logging` itself does.
     return value.lower() if isinstance(value, str) else value
@@ -73,6 +90,7 @@ AtLeastOne = Annotated[int, Field(ge=1)]
 NoneOrMore = Annotated[int, Field(ge=0)]
 Share = Annotated[float, Field(gt=0, le=1)]
 Flag = Annotated[bool, BeforeValidator(_blank_is_false)]
+JsonObject = Annotated[str, BeforeValidator(_json_object)]
 LogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical"], BeforeValidator(_lowercase)]
 
 # What `settings_from` was given for the `Settings` it is building; None: os.environ.
@@ -105,7 +123,8 @@ class Settings(BaseSettings):
     model: str = ""
     """Hugging Face model folder or hub id to serve; empty serves the embedded default (SmolLM2-135M-Instruct)."""
     served_model_name: str = ""
-    """Name clients and metrics know the model by; empty: the model folder's name."""
+    """Name clients, the gateway and metrics know the model by; empty: --model as given (vLLM's default), or
+    SmolLM2-135M-Instruct for the embedded default."""
     host: str = "127.0.0.1"
     """Address the gRPC server binds to (0.0.0.0 or [::] to accept remote clients)."""
     port: Port = 50051
@@ -205,6 +224,10 @@ class Settings(BaseSettings):
     to (it sets the others aside for them but leaves every process free to run anywhere). Helps when clients
     run elsewhere; on a small machine shared with a busy client it can cost more than it gains
     (docs/benchmarks.md)."""
+    kv_events_config: JsonObject = ""
+    """vLLM's KV-cache event publisher, as JSON in vLLM's shape (--kv-events-config of vLLM), e.g.
+    {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}: SubscribeKvEvents relays
+    its events to the gateway, whose cache-aware policy then routes on the blocks each worker holds; empty: off."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
     gc_young_threshold: NoneOrMore = 0
@@ -275,6 +298,7 @@ class Settings(BaseSettings):
             pipeline_parallel_size=self.pipeline_parallel_size,
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
+            kv_events_config=self.kv_events_config,
         )
 
 

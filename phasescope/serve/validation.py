@@ -318,16 +318,19 @@ def check_sampling(
     *,
     detokenize: bool = True,
     stream_interval: int | None = None,
+    max_tokens_past_context: bool = False,
 ) -> SamplingSpec:
     """Validate sampling values against the prompt's length and the model's limits; each error names
-    the field as the request's protocol spells it (`prefix` + the field's name)."""
+    the field as the request's protocol spells it (`prefix` + the field's name). With
+    `max_tokens_past_context` (vLLM's engine protocol, as vLLM's worker does) a max_tokens beyond the room
+    left in the context is the engine's to cut: it stops at the context's end with finish reason "length"."""
     room = limits.max_model_len - prompt_tokens
     max_tokens = room
     if ask.max_tokens is not None:
         max_tokens = ask.max_tokens
         if max_tokens < 1:
             raise InvalidRequestError(f"{prefix}max_tokens", "must be at least 1")
-        if max_tokens > room:
+        if max_tokens > room and not max_tokens_past_context:
             raise InvalidRequestError(
                 f"{prefix}max_tokens",
                 f"{max_tokens} output tokens plus {prompt_tokens} prompt tokens exceed the context "

@@ -21,8 +21,8 @@ from openai.types.chat import ChatCompletionMessageParam
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
-from phasescope.bench.harness import GatewayProcess
-from phasescope.bench.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+from phasescope.bench.harness import GatewayProcess, free_port
+from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
 from phasescope.telemetry.exposition import sum_samples
 from phasescope.v1 import inference_pb2 as v1
@@ -209,26 +209,86 @@ def test_an_idle_gateway_pinging_past_its_interval_keeps_its_connection(
     assert "goaway" not in log
 
 
-def test_two_workers_share_the_load_and_one_stopping_mid_run_leaves_the_other_serving(
-    start_server: Callable[..., ServerProcess], tmp_path: Path
-) -> None:
-    # The tiny random-weight model keeps two more engines cheap on a small machine.
-    model = ensure_tiny_model()
-    workers = [start_server("--model", str(model), "--served-model-name", TINY_MODEL_NAME) for _ in range(2)]
-    with GatewayProcess([w.address for w in workers], model, tmp_path / "smg.log") as gateway:
+@pytest.fixture(scope="module")
+def worker_pair(start_server: Callable[..., ServerProcess]) -> Iterator[list[ServerProcess]]:
+    """Two workers of the tiny random-weight model (cheap on a small machine), each publishing its KV-cache
+    events, started as an operator would: no --served-model-name."""
+    workers = []
+    for _ in range(2):
+        events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
+        workers.append(start_server("--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events)))
+    try:
+        yield workers
+    finally:
+        for worker in workers:
+            worker.stop()
+
+
+@pytest.fixture(scope="module")
+def cache_aware_gateway(worker_pair: list[ServerProcess], tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    log = tmp_path_factory.mktemp("gateway") / "smg.log"
+    with GatewayProcess([w.address for w in worker_pair], ensure_tiny_model(), log, policy="cache_aware") as gateway:
         gateway.wait_ready()
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
+            yield client
 
-            def complete() -> None:
-                answer = client.completions.create(model=TINY_MODEL_NAME, prompt="Hello", max_tokens=8, temperature=0)
-                assert answer.choices[0].finish_reason == "length"
 
-            for _ in range(6):
-                complete()
-            served = [w.sample_sum("phasescope_requests_total", code="OK") for w in workers]
-            assert all(count >= 1 for count in served), f"round robin reached one worker only: {served}"
-            # One worker drains and exits mid-run; every later request is still answered, by the other.
-            workers[0].stop()
-            for _ in range(6):
-                complete()
-            assert workers[1].sample_sum("phasescope_requests_total", code="OK") == served[1] + 6
+def test_the_model_path_is_its_id_and_max_tokens_at_the_contexts_size_runs_to_its_end(
+    cache_aware_gateway: openai.OpenAI,
+) -> None:
+    # Guards issue 46's two cases, as smg's own e2e suite sends them: the model by its --model path (404 when
+    # the worker named it by the folder's last part), and max_tokens at the context's size (refused before).
+    client = cache_aware_gateway
+    assert [model.id for model in client.models.list()] == [str(ensure_tiny_model())]
+    answer = client.completions.create(model=str(ensure_tiny_model()), prompt="Hi", max_tokens=2048, temperature=0)
+    assert answer.choices[0].finish_reason == "length"
+    assert answer.usage is not None
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 2048  # support.servers.BASE_ARGS
+
+
+def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it_holds_it(
+    cache_aware_gateway: openai.OpenAI, worker_pair: list[ServerProcess]
+) -> None:
+    # Each long prefix is prefilled on one worker directly, behind the gateway's back: only that worker's KV-cache
+    # events can tell the gateway where its blocks are. Six prefixes, alternating holders: luck would place all
+    # six right once in 64 runs.
+    def words(topic: int) -> str:
+        return " ".join(f"topic{topic} word{index}" for index in range(300))
+
+    for topic in range(6):
+        channel, engine = stub(worker_pair[topic % 2])
+        with channel:
+            primed = pb.GenerateRequest(
+                request_id=f"prime-{topic}", text=words(topic), sampling_params=pb.SamplingParams(max_tokens=1)
+            )
+            list(engine.Generate(primed))
+    time.sleep(1.0)  # the events' way to the gateway
+    for topic in range(6):
+        before = [worker.sample_sum("phasescope_requests_total") for worker in worker_pair]
+        cache_aware_gateway.completions.create(
+            model=str(ensure_tiny_model()), prompt=words(topic) + " and then", max_tokens=2, temperature=0
+        )
+        worker_pair[topic % 2].wait_engine_idle()
+        served = [
+            worker.sample_sum("phasescope_requests_total") - b for worker, b in zip(worker_pair, before, strict=True)
+        ]
+        assert served[topic % 2] == 1, (topic, served)
+
+
+def test_one_worker_stopping_mid_run_leaves_the_other_serving(
+    cache_aware_gateway: openai.OpenAI, worker_pair: list[ServerProcess]
+) -> None:
+    def complete() -> None:
+        answer = cache_aware_gateway.completions.create(
+            model=str(ensure_tiny_model()), prompt="Hello", max_tokens=8, temperature=0
+        )
+        assert answer.choices[0].finish_reason == "length"
+
+    for _ in range(3):
+        complete()
+    served_before = worker_pair[1].sample_sum("phasescope_requests_total", code="OK")
+    # One worker drains and exits mid-run; every later request is still answered, by the other.
+    worker_pair[0].stop()
+    for _ in range(6):
+        complete()
+    assert worker_pair[1].sample_sum("phasescope_requests_total", code="OK") == served_before + 6

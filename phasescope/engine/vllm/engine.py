@@ -11,6 +11,7 @@ import contextlib
 import copy
 import functools
 import gc
+import json
 import logging
 import math
 import os
@@ -21,7 +22,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from phasescope.engine.base import EngineOptions, EngineStep, ModelDescription, TokenLogprob
+from phasescope.engine.base import (
+    EngineConfigError,
+    EngineOptions,
+    EngineStep,
+    KvEventPublisher,
+    ModelDescription,
+    TokenLogprob,
+)
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
 from phasescope.engine.vllm.stats import HeldPrometheusStatLogger, stat_logger_factory
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
@@ -154,6 +162,41 @@ def _sample_params(params: Any) -> list[Any]:
     return samples
 
 
+def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
+    """A setting's JSON object as vLLM's config class (None when empty); what vLLM refuses is one
+    `EngineConfigError` line naming the flag and the field."""
+    if not text:
+        return None
+    try:
+        return config_class(**json.loads(text))
+    except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
+        errors = getattr(exc, "errors", None)
+        if callable(errors):
+            first = errors()[0]
+            where = ".".join(str(part) for part in first.get("loc", ()) if part != "__init__")
+            raise EngineConfigError(f"{flag}: {where or 'the object'}: {first.get('msg', exc)}") from exc
+        raise EngineConfigError(f"{flag}: {exc}") from exc
+
+
+def _kv_event_publishers(llm: Any) -> tuple[KvEventPublisher, ...]:
+    """Each engine core's ZMQ publisher of KV-cache events, by data-parallel rank (vLLM reports the ones
+    that are on, with each rank's own endpoint)."""
+    publishers = []
+    for rank, config in sorted(llm.get_kv_event_sources().items()):
+        if not config.enable_kv_cache_events or config.publisher != "zmq":
+            continue
+        publishers.append(
+            KvEventPublisher(
+                rank=int(rank),
+                endpoint=str(config.endpoint),
+                replay_endpoint=config.replay_endpoint,
+                topic=str(config.topic or ""),
+                high_water_mark=config.hwm,
+            )
+        )
+    return tuple(publishers)
+
+
 def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
     """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
     one warning — the cost model never stops the server from starting."""
@@ -199,6 +242,7 @@ class VllmEngine:
         """
         import vllm
         import vllm.envs
+        from vllm.config import KVEventsConfig
         from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
@@ -241,6 +285,7 @@ class VllmEngine:
             # execution time per step, and its analytic FLOPs and bytes.
             enable_logging_iteration_details=True,
             enable_mfu_metrics=True,
+            kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
         )
         # vLLM's own series too, its reports held (vLLM adds its default Prometheus logger only without one).
         llm = AsyncLLM.from_engine_args(
@@ -275,6 +320,7 @@ class VllmEngine:
                 pipeline_parallel_size=parallel.pipeline_parallel_size,
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
+                kv_event_publishers=_kv_event_publishers(llm),
                 **_model_facts(llm),
             )
             engine = cls(llm, description)

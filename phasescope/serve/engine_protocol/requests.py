@@ -101,4 +101,7 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         n=sampling.n or None,
     )
     # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
-    return check_sampling(ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop))
+    # max_tokens beyond the context is served as vLLM's worker serves it (gateways send the context's size).
+    return check_sampling(
+        ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop), max_tokens_past_context=True
+    )

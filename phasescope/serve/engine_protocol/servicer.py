@@ -9,8 +9,9 @@ Its phase timings ride in the trailing metadata (`phasescope-timings-bin`, a ser
 
 `Abort` stops the named requests in the engine; as with vLLM's worker, each stream then ends with
 a `GenerateComplete` whose finish reason is "abort". A client that goes away instead cancels its
-handler, which closes the engine request at once. RPCs this worker does not offer answer
-UNIMPLEMENTED naming themselves; the gateway tells them from failures.
+handler, which closes the engine request at once. `SubscribeKvEvents` relays the engine's KV-cache
+events (with --kv-events-config). RPCs this worker does not offer answer UNIMPLEMENTED naming
+themselves; the gateway tells them from failures.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import grpc
 from google.protobuf.message import Message
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_servicer import kv_relay
 
 from phasescope.engine.base import EngineStep, TokenLogprob
 from phasescope.errors import InvalidRequestError, NotOfferedError
@@ -240,9 +242,36 @@ class VllmEngineServicer:
     async def SubscribeKvEvents(
         self, request: common_pb2.SubscribeKvEventsRequest, context: ServicerContext
     ) -> AsyncGenerator[common_pb2.KvEventBatch, None]:
-        # The gateway falls back to polling GetLoads when a worker offers no KV-event stream.
-        raise NotOfferedError("SubscribeKvEvents: KV-cache events are not relayed by this worker")
-        yield  # an async generator: a server-streaming RPC
+        """The engine's KV-cache events, every data-parallel rank's publisher in one stream, relayed as vLLM's
+        worker relays them (smg-grpc-servicer's relay: sequence gaps replayed, a lost stream ended with
+        DATA_LOSS so the gateway clears this worker and subscribes again). Without --kv-events-config the
+        gateway falls back to its own approximate index of what it routed where."""
+        publishers = self._path.ready_engine().description.kv_event_publishers
+        if not publishers:
+            raise NotOfferedError(
+                "SubscribeKvEvents: KV-cache events are off; start the worker with --kv-events-config "
+                '\'{"enable_kv_cache_events": true, "publisher": "zmq"}\''
+            )
+        sources = [
+            kv_relay.RankSource(
+                rank=publisher.rank,
+                endpoint=kv_relay.endpoint_for_rank(publisher.endpoint, 0),
+                replay_endpoint=kv_relay.endpoint_for_rank(publisher.replay_endpoint, 0)
+                if publisher.replay_endpoint
+                else None,
+            )
+            for publisher in publishers
+        ]
+        first = publishers[0]
+        async for batch in kv_relay.relay(
+            sources,
+            kv_relay.Engine.VLLM,
+            request.start_sequence_number,
+            context,
+            topic=first.topic,
+            hwm=first.high_water_mark,
+        ):
+            yield batch
 
 
 class _Abortable:

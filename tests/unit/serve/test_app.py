@@ -41,7 +41,8 @@ class Factory:
         self.release = threading.Event()
 
     def __call__(self, settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> ScriptedEngine:
-        assert (model_path, model_name) == ("/models/scripted", "scripted")
+        # Known by --model as given, as vLLM's worker names its model.
+        assert (model_path, model_name) == ("/models/scripted", "/models/scripted")
         self.release.wait(10)
         return self.engine
 

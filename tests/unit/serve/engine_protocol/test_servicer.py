@@ -211,6 +211,17 @@ async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> Non
 
 
 @run
+async def test_max_tokens_beyond_the_room_left_reaches_the_engine_as_vllms_worker_passes_it() -> None:
+    # Guards issue 46: gateways send max_tokens at the context's size; vLLM's worker lets the engine stop at the
+    # context's end (finish reason "length") where phasescope used to refuse it.
+    async with serve(ScriptedEngine()) as s:  # a 256-token context
+        (response,) = [r async for r in s.stub.Generate(generate("long", max_tokens=10_000, stream=False))]
+        assert response.HasField("complete")
+        (sampling,) = s.engine.sampling.values()
+        assert sampling.max_tokens == 10_000
+
+
+@run
 async def test_a_truncated_prompt_reaches_the_engine_as_its_last_tokens() -> None:
     async with serve(ScriptedEngine()) as s:
         request = generate("t", ids=(5, 6, 7, 8), max_tokens=2, truncate_prompt_tokens=2, stream=False)
@@ -276,7 +287,7 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
         (generate(logit_bias={3: -200.0}), "sampling_params.logit_bias[3]"),
         (generate(max_tokens=4, min_tokens=5), "sampling_params.min_tokens"),
         (generate(top_p=1.5), "sampling_params.top_p"),
-        (generate(max_tokens=10_000), "sampling_params.max_tokens"),
+        (generate(max_tokens=0), "sampling_params.max_tokens"),
         (generate(temperature=float("nan")), "sampling_params.temperature"),
         (generate(stop_token_ids=[10**6]), "sampling_params.stop_token_ids[0]"),
         (
@@ -357,6 +368,8 @@ async def test_the_management_rpcs_answer_as_a_gateway_expects() -> None:
             async for _ in s.stub.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest()):
                 pass
         assert caught.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        # Without --kv-events-config: the refusal says how to turn the events on (the gateway then keeps its own index).
+        assert "--kv-events-config" in (caught.value.details() or "")
         # An unhealthy engine is an answer, not an error.
         s.engine.dead = True
         health = await s.stub.HealthCheck(pb.HealthCheckRequest())
