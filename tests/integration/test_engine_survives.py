@@ -275,8 +275,13 @@ def fuzz_target(chunking_server: ServerProcess) -> Iterator[tuple[ServerProcess,
         yield chunking_server, stub, pool
 
 
+FUZZ_EXAMPLES = int(os.environ.get("PHASESCOPE_FUZZ_EXAMPLES", "40"))
+
+
+# A longer campaign is one test: its time limit grows with it (about 1.5 s an example here, with room).
+@pytest.mark.timeout(max(600, 6 * FUZZ_EXAMPLES))
 @settings(
-    max_examples=int(os.environ.get("PHASESCOPE_FUZZ_EXAMPLES", "40")),
+    max_examples=FUZZ_EXAMPLES,
     derandomize=not os.environ.get("PHASESCOPE_FUZZ_RANDOM"),
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow, HealthCheck.data_too_large],
