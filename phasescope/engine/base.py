@@ -98,12 +98,9 @@ class TokenLogprob:
     """(token id, log probability) of the `SamplingSpec.logprobs` most likely tokens, most likely first."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineStep:
-    """What one engine step produced for one request (a delta, not the running total).
-
-    One is made per request per step, on the path every streamed token takes, so it is not frozen
-    (making a frozen dataclass costs 1.3 µs against 0.5 µs); treat it as a value."""
+    """What one engine step produced for one request (a delta, not the running total)."""
 
     text: str
     token_ids: tuple[int, ...]

@@ -7,7 +7,8 @@ it came in by: `async with admission.permit(caller):`. A refused request holds n
 from __future__ import annotations
 
 import asyncio
-from types import TracebackType
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 from phasescope.errors import ClientLimitError, OverloadedError
 
@@ -27,10 +28,16 @@ class Admission:
         self._idle = asyncio.Event()
         self._idle.set()
 
-    def permit(self, caller: str) -> Permit:
-        """What a request holds while it is in flight; entering it raises when the server or the
-        caller is at its limit. `caller` only matters with a per-client limit."""
-        return Permit(self, caller if self.per_client else "")
+    @asynccontextmanager
+    async def permit(self, caller: str) -> AsyncIterator[None]:
+        """What a request holds while it is in flight, given back on exit whatever happened; entering it raises
+        when the server or the caller is at its limit. `caller` only matters with a per-client limit."""
+        caller = caller if self.per_client else ""
+        self._acquire(caller)
+        try:
+            yield
+        finally:
+            self._release(caller)
 
     def _acquire(self, caller: str) -> None:
         if self.in_flight >= self.capacity:
@@ -59,19 +66,3 @@ class Admission:
 
     async def wait_idle(self) -> None:
         await self._idle.wait()
-
-
-class Permit:
-    """One admitted request's hold on the server: taken on entry, given back on exit, whatever happened."""
-
-    def __init__(self, admission: Admission, caller: str) -> None:
-        self._admission = admission
-        self._caller = caller
-
-    async def __aenter__(self) -> None:
-        self._admission._acquire(self._caller)
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        self._admission._release(self._caller)

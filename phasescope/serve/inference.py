@@ -1,15 +1,15 @@
-"""phasescope.v1's Inference service: parse its messages, run the shared request lifecycle, write its messages.
+"""phasescope.v1's Inference service: decode its messages, walk the shared request path, write its messages.
 
-Everything protocol-independent (admission, the stages, the first-token and phase records,
-rejection counts) is the hallway's: `phasescope.serve.lifecycle`. The servicer never
-touches Prometheus or tracing. Exceptions leave through
-`phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status table (GenerateStream
-applies it itself, `StatusOnError`, so its chunks cross no wrapper generator).
+Everything protocol-independent (admission, tokenising, the stages, the first-token and phase records,
+rejection counts) is the path's: `phasescope.serve.path`. The servicer never touches Prometheus or tracing.
+Exceptions leave through `phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status
+table (GenerateStream applies it itself, `StatusOnError`, so its chunks cross no wrapper generator).
 """
 
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections.abc import AsyncGenerator
@@ -18,33 +18,24 @@ from typing import Any
 
 import grpc
 
-from phasescope.engine.base import Engine, EngineStep, TokenLogprob
-from phasescope.engine.request import ParsedInput
+from phasescope.engine.base import TokenLogprob
+from phasescope.engine.request import ModelLimits
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.interceptors import StatusOnError, maps_own_errors
-from phasescope.serve.lifecycle import (
-    RequestLifecycle,
-    RequestPath,
-    ServicerContext,
-    new_engine_request_id,
-    tokenize_off_loop,
-)
+from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import timings_message
 from phasescope.serve.validation import (
+    SamplingAsk,
     UndecodableRequest,
-    build_sampling,
-    check_prompt_length,
     decode_generate_request,
     decode_tokenize_request,
     decode_watch_request,
     parse_generate_input,
     parse_tokenize_input,
-    truncate_prompt,
+    v1_structured,
 )
 from phasescope.serve.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.request.phases import RequestParameters
 from phasescope.v1 import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -59,12 +50,56 @@ _FINISH_REASONS = {
 }
 
 
-def _prompt_text(parsed: ParsedInput) -> str:
-    if parsed.kind == "prompt":
-        return parsed.prompt
-    if parsed.kind == "chat":
-        return "\n".join(f"{turn.role}: {turn.content}" for turn in parsed.chat)
-    return " ".join(map(str, parsed.token_ids))
+def decode_generate(request: pb.GenerateRequest | UndecodableRequest, limits: ModelLimits) -> GenerationAsk:
+    """phasescope.v1's GenerateRequest as the request path takes it; every sampling field is proto3 `optional`,
+    unset = the model's default."""
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError(request.field, request.reason)
+    parsed = parse_generate_input(request, limits)
+    sampling = request.sampling
+    if request.token_ids_only and sampling.stop:
+        raise InvalidRequestError(
+            "token_ids_only",
+            "stop strings are matched against text, which token_ids_only skips: drop sampling.stop "
+            "or use sampling.stop_token_ids",
+        )
+    has = sampling.HasField
+    ask = SamplingAsk(
+        max_tokens=sampling.max_tokens if has("max_tokens") else None,
+        temperature=sampling.temperature if has("temperature") else None,
+        top_p=sampling.top_p if has("top_p") else None,
+        top_k=sampling.top_k if has("top_k") else None,
+        min_p=sampling.min_p if has("min_p") else None,
+        seed=sampling.seed if has("seed") else None,
+        stop=tuple(sampling.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
+        presence_penalty=sampling.presence_penalty if has("presence_penalty") else None,
+        frequency_penalty=sampling.frequency_penalty if has("frequency_penalty") else None,
+        repetition_penalty=sampling.repetition_penalty if has("repetition_penalty") else None,
+        ignore_eos=sampling.ignore_eos,
+        min_tokens=sampling.min_tokens,
+        logit_bias=tuple(sampling.logit_bias.items()),
+        include_stop_str_in_output=sampling.include_stop_str_in_output,
+        skip_special_tokens=sampling.skip_special_tokens if has("skip_special_tokens") else True,
+        spaces_between_special_tokens=(
+            sampling.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
+        ),
+        structured=v1_structured(sampling) if has("structured") else None,
+        logprobs=sampling.logprobs if has("logprobs") else None,
+        prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
+        bad_words=tuple(sampling.bad_words),
+        n=sampling.n if has("n") else None,
+    )
+    return GenerationAsk(
+        input=parsed,
+        sampling=ask,
+        input_field=parsed.kind,
+        sampling_prefix="sampling.",
+        request_id=request.request_id,
+        truncate_prompt_tokens=sampling.truncate_prompt_tokens if has("truncate_prompt_tokens") else None,
+        detokenize=not request.token_ids_only,
+        stream_interval=request.stream_interval or None,
+    )
 
 
 def _token_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
@@ -78,23 +113,30 @@ def _token_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]
     ]
 
 
-def _chunk(step: EngineStep, request_id: str, lifecycle: RequestLifecycle) -> pb.GenerateStreamResponse:
-    chunk = pb.GenerateStreamResponse(request_id=request_id, text=step.text, token_ids=step.token_ids)
+def _chunk(output: Output) -> pb.GenerateStreamResponse:
+    step = output.step
+    chunk = pb.GenerateStreamResponse(request_id=output.request_id, text=step.text, token_ids=step.token_ids)
     if step.index:
         chunk.index = step.index
     if step.logprobs:
         chunk.logprobs.extend(_token_logprobs(step.logprobs))
     if step.prompt_logprobs:
         chunk.prompt_logprobs.extend(_token_logprobs(step.prompt_logprobs))
-    if step.finish_reason is not None or step.finished:
+    if output.sample_end is not None:
         # A sample's last chunk: its finish and its stages (with n = 1, the stream's last chunk).
-        chunk.finish_reason = _FINISH_REASONS.get(step.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
-        chunk.timings.CopyFrom(timings_message(lifecycle.final_timings(step.index)))
-    if step.finished:
-        chunk.usage.prompt_tokens = lifecycle.prompt_tokens
-        chunk.usage.completion_tokens = lifecycle.completion_tokens
-        chunk.usage.cached_prompt_tokens = lifecycle.cached_prompt_tokens
+        chunk.finish_reason = _FINISH_REASONS.get(output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
+        chunk.timings.CopyFrom(timings_message(output.sample_end.timings))
+    if output.request_end is not None:
+        chunk.usage.CopyFrom(_usage(output.request_end))
     return chunk
+
+
+def _usage(end: RequestEnd) -> pb.Usage:
+    return pb.Usage(
+        prompt_tokens=end.prompt_tokens,
+        completion_tokens=end.completion_tokens,
+        cached_prompt_tokens=end.cached_prompt_tokens,
+    )
 
 
 class InferenceServicer:
@@ -102,15 +144,9 @@ class InferenceServicer:
 
     def __init__(self, path: RequestPath, *, max_watchers: int = 4) -> None:
         self._path = path
-        self._peaks: HardwarePeaks | None = None
         self._telemetry: tuple[ServerFacts, TelemetrySource] | None = None
         self._max_watchers = max_watchers
         self._watchers = 0
-
-    def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> None:
-        """`peaks` are what each engine is judged against (shared between engines on one CPU)."""
-        self._peaks = peaks
-        self._path.engine = engine
 
     def attach_telemetry(self, facts: ServerFacts, source: TelemetrySource) -> None:
         """What WatchTelemetry snapshots are made of (phasescope.serve.app, once the engine's figures exist)."""
@@ -128,104 +164,56 @@ class InferenceServicer:
     def admission(self) -> Admission:
         return self._path.admission
 
-    async def _run(
+    def _outputs(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext, *, streaming: bool
-    ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
-        """The one request path behind Generate and GenerateStream."""
-        path = self._path
-        async with path.begin(streaming, context) as lifecycle:
-            engine = path.ready_engine()
-            if isinstance(request, UndecodableRequest):
-                raise InvalidRequestError(request.field, request.reason)
-            # Cheap checks first (they include the bound on text that cannot fit the context),
-            # then the permit: under overload a refused request costs no tokenising.
-            parsed = parse_generate_input(request, engine.limits)
-            async with lifecycle.admitted(path.caller(context)):
-                steps, request_id = await self._hand_to_engine(engine, request, parsed, lifecycle)
-                async with aclosing(steps):
-                    async for step in steps:
-                        lifecycle.took(step)
-                        yield _chunk(step, request_id, lifecycle)
-                        lifecycle.chunk_written()
-
-    async def _hand_to_engine(
-        self, engine: Engine, request: pb.GenerateRequest, parsed: ParsedInput, lifecycle: RequestLifecycle
-    ) -> tuple[AsyncGenerator[EngineStep, None], str]:
-        """Tokenise, check against the model's limits, and start the engine request; its steps and the
-        request id the chunks carry."""
-        prompt_token_ids = await tokenize_off_loop(engine, parsed)
-        keep = request.sampling.truncate_prompt_tokens if request.sampling.HasField("truncate_prompt_tokens") else None
-        prompt_token_ids = truncate_prompt(prompt_token_ids, keep, engine.limits, "sampling.truncate_prompt_tokens")
-        check_prompt_length(len(prompt_token_ids), engine.limits, parsed.kind)
-        sampling = build_sampling(
-            request.sampling,
-            len(prompt_token_ids),
-            engine.limits,
-            token_ids_only=request.token_ids_only,
-            stream_interval=request.stream_interval,
-        )
-        # The engine's id is always ours: client ids may collide. Nothing reaches the
-        # engine until the steps are iterated; sampling it refuses raises here.
-        engine_request_id = new_engine_request_id()
-        steps = engine.generate(engine_request_id, prompt_token_ids, sampling)
-        # The proto promises an id: the client's, or the engine's when it sent none.
-        request_id = request.request_id or engine_request_id
-        parameters = RequestParameters(
-            operation="chat" if parsed.kind == "chat" else "text_completion",
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            constraint=sampling.structured.kind if sampling.structured is not None else "",
-            samples=sampling.n,
-        )
-        prompt_text = _prompt_text(parsed) if self._path.capture_text else ""
-        lifecycle.handed_to_engine(len(prompt_token_ids), request_id, parameters, prompt_text, engine_request_id)
-        return steps, request_id
+    ) -> AsyncGenerator[Output, None]:
+        return self._path.generate(streaming, context, functools.partial(decode_generate, request))
 
     @maps_own_errors
     async def GenerateStream(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
         # The status mapping is here, not in an interceptor's wrapper: each chunk crosses one generator fewer.
-        async with StatusOnError(context), aclosing(self._run(request, context, streaming=True)) as chunks:
-            async for chunk in chunks:
-                yield chunk
+        async with StatusOnError(context), aclosing(self._outputs(request, context, streaming=True)) as outputs:
+            async for output in outputs:
+                yield _chunk(output)
 
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> pb.GenerateResponse:
         response = pb.GenerateResponse()
-        texts: list[str] = []
-        # With n > 1: the samples after the first, by index, and their texts.
-        samples: dict[int, tuple[pb.Sample, list[str]]] = {}
-        async with aclosing(self._run(request, context, streaming=False)) as chunks:
-            async for chunk in chunks:
-                if chunk.HasField("usage"):  # the stream's last chunk, whichever sample's
-                    response.request_id = chunk.request_id
-                    response.usage.CopyFrom(chunk.usage)
-                if chunk.index:
-                    if chunk.index not in samples:
-                        samples[chunk.index] = (pb.Sample(index=chunk.index), [])
-                    sample, sample_texts = samples[chunk.index]
-                    sample_texts.append(chunk.text)
-                    sample.token_ids.extend(chunk.token_ids)
-                    sample.logprobs.extend(chunk.logprobs)
-                    if chunk.HasField("timings"):
-                        sample.finish_reason = chunk.finish_reason
-                        sample.timings.CopyFrom(chunk.timings)
-                    continue
-                texts.append(chunk.text)
-                response.token_ids.extend(chunk.token_ids)
-                response.logprobs.extend(chunk.logprobs)
-                response.prompt_logprobs.extend(chunk.prompt_logprobs)
-                if chunk.HasField("timings"):
-                    response.finish_reason = chunk.finish_reason
-                    response.timings.CopyFrom(chunk.timings)
-        response.text = "".join(texts)
+        # Each sample's texts; the samples after the first are `response.samples`, by index.
+        texts: dict[int, list[str]] = {}
+        samples: dict[int, pb.Sample] = {}
+        async with aclosing(self._outputs(request, context, streaming=False)) as outputs:
+            async for output in outputs:
+                step = output.step
+                texts.setdefault(step.index, []).append(step.text)
+                if step.index:
+                    sample = samples.setdefault(step.index, pb.Sample(index=step.index))
+                    sample.token_ids.extend(step.token_ids)
+                    sample.logprobs.extend(_token_logprobs(step.logprobs))
+                    if output.sample_end is not None:
+                        sample.finish_reason = _FINISH_REASONS.get(
+                            output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED
+                        )
+                        sample.timings.CopyFrom(timings_message(output.sample_end.timings))
+                else:
+                    response.token_ids.extend(step.token_ids)
+                    response.logprobs.extend(_token_logprobs(step.logprobs))
+                    response.prompt_logprobs.extend(_token_logprobs(step.prompt_logprobs))
+                    if output.sample_end is not None:
+                        response.finish_reason = _FINISH_REASONS.get(
+                            output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED
+                        )
+                        response.timings.CopyFrom(timings_message(output.sample_end.timings))
+                if output.request_end is not None:
+                    response.request_id = output.request_id
+                    response.usage.CopyFrom(_usage(output.request_end))
+        response.text = "".join(texts.get(0, ()))
         for index in sorted(samples):
-            sample, sample_texts = samples[index]
-            sample.text = "".join(sample_texts)
-            response.samples.append(sample)
+            samples[index].text = "".join(texts[index])
+            response.samples.append(samples[index])
         return response
 
     async def Tokenize(
@@ -235,7 +223,7 @@ class InferenceServicer:
             engine = self._path.ready_engine()
             if isinstance(request, UndecodableRequest):
                 raise InvalidRequestError(request.field, request.reason)
-            token_ids = await tokenize_off_loop(engine, parse_tokenize_input(request))
+            token_ids = await self._path.tokenize(engine, parse_tokenize_input(request))
         return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
 
     async def WatchTelemetry(
@@ -286,10 +274,10 @@ class InferenceServicer:
             self._watchers -= 1
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:
-        engine = self._path.ready_engine()
-        d = engine.description
-        peaks = self._peaks
-        assert peaks is not None  # attached together with the engine: each engine's peaks
+        d = self._path.ready_engine().description
+        if self._telemetry is None:
+            raise NotReadyError("the engine's figures are still starting; retry in a moment")
+        peaks = self._telemetry[0].peaks
         bandwidth = peaks.memory_bandwidth_bytes_per_second
         flops = peaks.peak_flops(d.dtype)
         whole = d.cost.sharded(1, 1)

@@ -231,11 +231,10 @@ def _finite(prefix: str, name: str, value: float | None) -> float | None:
     return value
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class SamplingAsk:
     """Sampling values as a request asked for them, whichever protocol: None is "not asked" (the
-    model's default); `check_sampling` validates them. Made once per request and read once, so not
-    frozen, as `SamplingSpec` is not; treat it as a value."""
+    model's default); `build_sampling` validates them."""
 
     max_tokens: int | None = None
     temperature: float | None = None
@@ -281,7 +280,7 @@ def structured_output(message: Message, kind: str | None, field: str) -> Structu
     return StructuredOutput(named, value=str(getattr(message, kind)), field=field)
 
 
-def _v1_structured(sampling: pb.SamplingParams) -> StructuredOutput | None:
+def v1_structured(sampling: pb.SamplingParams) -> StructuredOutput | None:
     kind = sampling.structured.WhichOneof("kind")
     if kind is None:
         raise InvalidRequestError("sampling.structured", "set one of its kinds, or leave it unset for free text")
@@ -310,7 +309,7 @@ def check_structured(structured: StructuredOutput) -> StructuredOutput:
     return structured
 
 
-def check_sampling(
+def build_sampling(
     ask: SamplingAsk,
     prefix: str,
     prompt_tokens: int,
@@ -426,58 +425,4 @@ def check_sampling(
         prompt_logprobs=ask.prompt_logprobs,
         bad_words=tuple(ask.bad_words),
         n=n,
-    )
-
-
-def build_sampling(
-    sampling: pb.SamplingParams,
-    prompt_tokens: int,
-    limits: ModelLimits,
-    *,
-    token_ids_only: bool = False,
-    stream_interval: int = 0,
-) -> SamplingSpec:
-    """phasescope.v1's sampling message, validated (`token_ids_only`: the request's
-    GenerateRequest.token_ids_only); every field is proto3 `optional`, unset = the model's default."""
-
-    if token_ids_only and sampling.stop:
-        raise InvalidRequestError(
-            "token_ids_only",
-            "stop strings are matched against text, which token_ids_only skips: drop sampling.stop "
-            "or use sampling.stop_token_ids",
-        )
-    has = sampling.HasField
-    ask = SamplingAsk(
-        max_tokens=sampling.max_tokens if has("max_tokens") else None,
-        temperature=sampling.temperature if has("temperature") else None,
-        top_p=sampling.top_p if has("top_p") else None,
-        top_k=sampling.top_k if has("top_k") else None,
-        min_p=sampling.min_p if has("min_p") else None,
-        seed=sampling.seed if has("seed") else None,
-        stop=sampling.stop,
-        stop_token_ids=sampling.stop_token_ids,
-        presence_penalty=sampling.presence_penalty if has("presence_penalty") else None,
-        frequency_penalty=sampling.frequency_penalty if has("frequency_penalty") else None,
-        repetition_penalty=sampling.repetition_penalty if has("repetition_penalty") else None,
-        ignore_eos=sampling.ignore_eos,
-        min_tokens=sampling.min_tokens,
-        logit_bias=tuple(sampling.logit_bias.items()),
-        include_stop_str_in_output=sampling.include_stop_str_in_output,
-        skip_special_tokens=sampling.skip_special_tokens if has("skip_special_tokens") else True,
-        spaces_between_special_tokens=(
-            sampling.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
-        ),
-        structured=_v1_structured(sampling) if has("structured") else None,
-        logprobs=sampling.logprobs if has("logprobs") else None,
-        prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
-        bad_words=sampling.bad_words,
-        n=sampling.n if has("n") else None,
-    )
-    return check_sampling(
-        ask,
-        "sampling.",
-        prompt_tokens,
-        limits,
-        detokenize=not token_ids_only,
-        stream_interval=stream_interval or None,
     )

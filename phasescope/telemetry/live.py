@@ -16,7 +16,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from phasescope.telemetry.held import nothing_held
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 from phasescope.telemetry.step.aggregator import StepSink
 from phasescope.telemetry.step.records import EngineIteration
@@ -90,11 +89,6 @@ class RecentLatencies(StepSink):
         self._decode = _Recent(clock)
         self.rejected = 0
         """Requests refused before the engine, since start (a watcher diffs it)."""
-        self._hand_on: Callable[[], None] = nothing_held
-
-    def read_after(self, hand_on: Callable[[], None]) -> None:
-        """Its records are held (`ObserverGroup`): `figures` calls `hand_on` first."""
-        self._hand_on = hand_on
 
     def request_started(self, model: str) -> None:
         pass
@@ -108,9 +102,6 @@ class RecentLatencies(StepSink):
                 self._queue.add(timings.queue_seconds)
             if timings.prefill_seconds is not None:
                 self._prefill.add(timings.prefill_seconds)
-
-    counts_tokens = False
-    """`ObserverGroup` leaves this observer out of the per-chunk token calls: it keeps no token count."""
 
     def tokens_generated(self, model: str, count: int) -> None:
         pass
@@ -134,7 +125,8 @@ class RecentLatencies(StepSink):
             self._itl.extend(iteration.inter_token_seconds, at)
 
     def figures(self, window_seconds: float) -> LatencyFigures:
-        self._hand_on()
+        """The latencies of the last `window_seconds` (what the telemetry pipeline holds is not in them: its
+        reader hands it on first)."""
         start = self._clock() - window_seconds
         with self._lock:
             ttft = self._ttft.since(start)

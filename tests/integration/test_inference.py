@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 import time
 from typing import Any
@@ -194,7 +193,7 @@ def test_chat_tokenize_renders_the_chat_template(client: Client) -> None:
     assert len(chat) > len(plain)
 
 
-def test_async_client_streams_and_describes(server: ServerProcess) -> None:
+async def test_async_client_streams_and_describes(server: ServerProcess) -> None:
     async def scenario() -> tuple[str, int, str]:
         async with AsyncClient(server.address, timeout_seconds=120) as client:
             text = ""
@@ -203,7 +202,7 @@ def test_async_client_streams_and_describes(server: ServerProcess) -> None:
             info = await client.model_info()
             return text, info.max_context_length, await client.health()
 
-    text, context, health = asyncio.run(scenario())
+    text, context, health = await scenario()
     assert "Paris" in text
     assert context == 2048
     assert health == "SERVING"

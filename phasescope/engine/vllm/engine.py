@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import functools
+import dataclasses
 import gc
 import json
 import logging
@@ -18,7 +18,6 @@ import os
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -31,10 +30,11 @@ from phasescope.engine.base import (
     TokenLogprob,
 )
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
-from phasescope.engine.vllm.stats import HeldPrometheusStatLogger, stat_logger_factory
+from phasescope.engine.vllm.stats import stat_logger_factory, vllm_prometheus_logger
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
+from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.request.phases import EngineTimestamps
 from phasescope.telemetry.step.records import StepForwarder
 
@@ -87,27 +87,6 @@ def _model_facts(llm: Any) -> dict[str, Any]:
 _CHOSEN_SAMPLING = (
     "temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty", "repetition_penalty",
 )  # fmt: skip
-
-
-@dataclass(frozen=True, slots=True)
-class _VllmApi:
-    """vLLM's names on every request's path, imported once: an import statement costs ~0.6 µs each time it runs,
-    and this module cannot import vLLM when it is imported (`configure_engine_logging` runs before vLLM reads its
-    environment)."""
-
-    SamplingParams: Any
-    DELTA: Any
-    VLLMClientError: type[Exception]
-    EngineDeadError: type[Exception]
-
-
-@functools.cache
-def _vllm() -> _VllmApi:
-    from vllm.exceptions import VLLMClientError
-    from vllm.sampling_params import RequestOutputKind, SamplingParams
-    from vllm.v1.engine.exceptions import EngineDeadError
-
-    return _VllmApi(SamplingParams, RequestOutputKind.DELTA, VLLMClientError, EngineDeadError)
 
 
 def _token_logprobs(token_ids: Any, positions: Any, top: int) -> tuple[TokenLogprob, ...]:
@@ -235,10 +214,17 @@ class VllmEngine:
         self._samples: dict[str, list[str]] = {}
 
     @classmethod
-    def start(cls, options: EngineOptions, model_path: str, served_model_name: str, steps: StepForwarder) -> VllmEngine:
+    def start(
+        cls,
+        options: EngineOptions,
+        model_path: str,
+        served_model_name: str,
+        steps: StepForwarder,
+        pipeline: TelemetryPipeline,
+    ) -> VllmEngine:
         """Start the engine; blocks for the model's load time (run it off the event loop).
 
-        Every engine step is reported to `steps`.
+        Every engine step is reported to `steps`; vLLM's own series wait in `pipeline` with the rest.
         """
         import vllm
         import vllm.envs
@@ -287,9 +273,9 @@ class VllmEngine:
             enable_mfu_metrics=True,
             kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
         )
-        # vLLM's own series too, its reports held (vLLM adds its default Prometheus logger only without one).
+        # vLLM's own series too, through the pipeline (vLLM adds its default Prometheus logger only without one).
         llm = AsyncLLM.from_engine_args(
-            engine_args, stat_loggers=[stat_logger_factory(steps), HeldPrometheusStatLogger]
+            engine_args, stat_loggers=[stat_logger_factory(steps), vllm_prometheus_logger(pipeline)]
         )
         try:
             model_config = llm.model_config
@@ -327,9 +313,8 @@ class VllmEngine:
         except BaseException:
             llm.shutdown()
             raise
-        # vLLM reads some environment variables again for every output of every request (its
-        # iteration stats); its own engine core caches them once started, as this does for the
-        # front end until close(). Nothing changes vLLM's variables while an engine serves.
+        # vLLM reads some environment variables again for every output of every request; its own engine core
+        # caches them once started, as this does for the front end until close().
         vllm.envs.enable_envs_cache()
         # Something in vLLM keeps this frame alive after start-up; a local
         # reference here would keep AsyncLLM alive past close() (see close()).
@@ -362,7 +347,9 @@ class VllmEngine:
         return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
 
     def _sampling_params(self, spec: SamplingSpec) -> Any:
-        vllm = _vllm()
+        from vllm.exceptions import VLLMClientError
+        from vllm.sampling_params import RequestOutputKind, SamplingParams
+
         values: dict[str, Any] = dict(self._default_sampling)
         # The model's defaults give way to what the request chose (None: not chosen).
         for name in _CHOSEN_SAMPLING:
@@ -371,7 +358,7 @@ class VllmEngine:
                 values[name] = value
         structured = _structured_outputs(spec.structured) if spec.structured is not None else None
         try:
-            return vllm.SamplingParams(
+            return SamplingParams(
                 # Validated at n (vLLM's rules for n); the samples run as n requests (`_sample_params`).
                 n=spec.n,
                 max_tokens=spec.max_tokens,
@@ -390,10 +377,10 @@ class VllmEngine:
                 detokenize=spec.detokenize,
                 stream_interval=spec.stream_interval,
                 # Each engine step's new tokens only: the stream forwards them as they come.
-                output_kind=vllm.DELTA,
+                output_kind=RequestOutputKind.DELTA,
                 **values,
             )
-        except (ValueError, vllm.VLLMClientError) as exc:
+        except (ValueError, VLLMClientError) as exc:
             # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
             parameter = getattr(exc, "parameter", None)
             raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
@@ -434,8 +421,7 @@ class VllmEngine:
             try:
                 async with aclosing(sample_steps) as sample:
                     async for step in sample:
-                        step.index = index
-                        steps.put_nowait(step)
+                        steps.put_nowait(dataclasses.replace(step, index=index))
             except Exception as exc:  # the request fails with the first sample that fails
                 steps.put_nowait(exc)
             finally:
@@ -453,8 +439,7 @@ class VllmEngine:
                     raise item
                 if item.finish_reason is not None:
                     unfinished -= 1
-                item.finished = unfinished == 0
-                yield item
+                yield dataclasses.replace(item, finished=unfinished == 0)
         finally:
             # Closing a sample's steps aborts its engine request (a client gone, or a sample failed).
             for task in pumps:
@@ -471,15 +456,14 @@ class VllmEngine:
         logprobs: int | None,
         prompt_logprobs: int | None,
     ) -> AsyncGenerator[EngineStep, None]:
-        vllm = _vllm()
+        from vllm.exceptions import VLLMClientError
+        from vllm.v1.engine.exceptions import EngineDeadError
+
         llm = self._llm
         collector: Any = None
         try:
-            # A rendered token input: vLLM validates it on the event loop, as its OpenAI server's
-            # rendered prompts are, instead of a second hop through its renderer's thread pool
-            # (the text was already tokenised off the loop, phasescope.serve.lifecycle.tokenize_off_loop).
-            # Its outputs are read from the request's collector here, as `AsyncLLM.generate` reads them:
-            # that generator would be one more step around every output of every request.
+            # A rendered token input (the text was tokenised off the loop already); its outputs are read from the
+            # request's collector, as `AsyncLLM.generate` reads them.
             prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
             collector = await llm.add_request(request_id, prompt, params)
             engine_index: int | None = None
@@ -533,11 +517,11 @@ class VllmEngine:
             if collector is not None:
                 await llm.abort(collector.request_id, internal=True)
             raise
-        except vllm.EngineDeadError as exc:
+        except EngineDeadError as exc:
             raise EngineUnavailableError(
                 "the engine died while this request was running; the server stops so that its supervisor restarts it"
             ) from exc
-        except vllm.VLLMClientError as exc:
+        except VLLMClientError as exc:
             raise InvalidRequestError(getattr(exc, "parameter", None) or unnamed, str(exc)) from exc
         except Exception:
             if collector is not None:

@@ -1,4 +1,4 @@
-"""vLLM's engine-protocol `GenerateRequest`, parsed into the engine's request model or refused.
+"""vLLM's engine-protocol `GenerateRequest`, decoded into the request path's `GenerationAsk` or refused.
 
 What the engine cannot do is refused with INVALID_ARGUMENT naming the field (never silently
 ignored). The protocol's sampling fields are plain proto3 scalars, so 0 means "not set" for
@@ -11,33 +11,28 @@ text, which this protocol does not carry.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 
-from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.engine.request import ModelLimits, ParsedInput
 from phasescope.errors import InvalidRequestError
+from phasescope.serve.path import GenerationAsk
 from phasescope.serve.validation import (
     SamplingAsk,
+    UndecodableRequest,
     check_prompt_chars,
-    check_sampling,
     check_token_ids,
     structured_output,
 )
 
-
-@dataclass(frozen=True, slots=True)
-class EngineProtocolRequest:
-    """A Generate request as the engine will run it."""
-
-    request_id: str
-    parsed: ParsedInput
-    stream: bool
-    sampling: pb.SamplingParams
+PREFIX = "sampling_params."
 
 
-def parse_generate(request: pb.GenerateRequest, limits: ModelLimits, data_parallel_size: int) -> EngineProtocolRequest:
-    """The request's input and its sampling message, or INVALID_ARGUMENT naming what cannot be served."""
+def decode_generate(
+    request: pb.GenerateRequest | UndecodableRequest, limits: ModelLimits, data_parallel_size: int
+) -> GenerationAsk:
+    """The request as the request path takes it, or INVALID_ARGUMENT naming what cannot be served."""
+    if isinstance(request, UndecodableRequest):
+        raise InvalidRequestError(request.field, request.reason)
     if not request.request_id:
         raise InvalidRequestError("request_id", "must not be empty: Abort finds a request by it")
     for field in ("mm_inputs", "media_refs"):
@@ -69,21 +64,33 @@ def parse_generate(request: pb.GenerateRequest, limits: ModelLimits, data_parall
         parsed = ParsedInput("prompt", prompt=request.text)
     else:
         raise InvalidRequestError("input", "one of tokenized or text is required")
-    return EngineProtocolRequest(request.request_id, parsed, request.stream, request.sampling_params)
+    sampling = request.sampling_params
+    return GenerationAsk(
+        input=parsed,
+        sampling=sampling_ask(sampling),
+        input_field="tokenized.input_ids" if kind == "tokenized" else "text",
+        sampling_prefix=PREFIX,
+        request_id=request.request_id,
+        truncate_prompt_tokens=sampling.truncate_prompt_tokens if sampling.HasField("truncate_prompt_tokens") else None,
+        # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
+        detokenize=bool(sampling.stop),
+        # Gateways send max_tokens at the context's size: the engine stops at its end, as vLLM's worker lets it.
+        max_tokens_past_context=True,
+        abortable=True,
+    )
 
 
-def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: ModelLimits) -> SamplingSpec:
-    """The sampling message validated against the prompt and the model, in this protocol's field names."""
-    prefix = "sampling_params."
-    ask = SamplingAsk(
+def sampling_ask(sampling: pb.SamplingParams) -> SamplingAsk:
+    """The protocol's sampling message as asked (validated by the request path)."""
+    return SamplingAsk(
         max_tokens=sampling.max_tokens if sampling.HasField("max_tokens") else None,
         temperature=sampling.temperature if sampling.HasField("temperature") else None,
         top_p=sampling.top_p or None,
         top_k=sampling.top_k or None,
         min_p=sampling.min_p or None,
         seed=sampling.seed if sampling.HasField("seed") else None,
-        stop=sampling.stop,
-        stop_token_ids=sampling.stop_token_ids,
+        stop=tuple(sampling.stop),
+        stop_token_ids=tuple(sampling.stop_token_ids),
         presence_penalty=sampling.presence_penalty or None,
         frequency_penalty=sampling.frequency_penalty or None,
         repetition_penalty=sampling.repetition_penalty or None,
@@ -94,14 +101,9 @@ def build_sampling(sampling: pb.SamplingParams, prompt_tokens: int, limits: Mode
         # As vLLM's servicer passes them: they shape only text, which this protocol carries only for stop strings.
         skip_special_tokens=sampling.skip_special_tokens,
         spaces_between_special_tokens=sampling.spaces_between_special_tokens,
-        structured=structured_output(sampling, sampling.WhichOneof("constraint"), prefix),
+        structured=structured_output(sampling, sampling.WhichOneof("constraint"), PREFIX),
         logprobs=sampling.logprobs if sampling.HasField("logprobs") else None,
         prompt_logprobs=sampling.prompt_logprobs if sampling.HasField("prompt_logprobs") else None,
         # 0 is "not set", as vLLM's servicer reads it (n > 0 else 1).
         n=sampling.n or None,
-    )
-    # Text only where stop strings need it: the gateway detokenises itself (vLLM's servicer does the same).
-    # max_tokens beyond the context is served as vLLM's worker serves it (gateways send the context's size).
-    return check_sampling(
-        ask, prefix, prompt_tokens, limits, detokenize=bool(sampling.stop), max_tokens_past_context=True
     )

@@ -21,7 +21,6 @@ from collections.abc import AsyncGenerator, Sequence
 from contextlib import aclosing
 from datetime import UTC, datetime
 from pathlib import Path
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -30,23 +29,17 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_servicer import kv_relay
 
-from phasescope.engine.base import EngineStep, TokenLogprob
-from phasescope.errors import InvalidRequestError, NotOfferedError
+from phasescope.engine.base import TokenLogprob
+from phasescope.engine.request import ModelLimits
+from phasescope.errors import NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import scheduler_loads
-from phasescope.serve.engine_protocol.requests import build_sampling, parse_generate
+from phasescope.serve.engine_protocol.requests import decode_generate
 from phasescope.serve.interceptors import StatusOnError, maps_own_errors
-from phasescope.serve.lifecycle import (
-    RequestLifecycle,
-    RequestPath,
-    ServicerContext,
-    new_engine_request_id,
-    tokenize_off_loop,
-)
+from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
-from phasescope.serve.validation import UndecodableRequest, check_prompt_length, decoder, truncate_prompt
+from phasescope.serve.validation import UndecodableRequest, decoder
 from phasescope.serve.watch import TelemetrySource
-from phasescope.telemetry.request.phases import RequestParameters
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # Field numbers of GenerateRequest's `input` oneof (tokenized, text).
@@ -63,109 +56,41 @@ class VllmEngineServicer:
         self._last_receive = 0.0
         self._telemetry: TelemetrySource | None = None
         self._tokenizer: TokenizerBundle | None = None
-        # This protocol's requests in the engine, by the gateway's id (several when a caller reuses one).
-        self._engine_ids: dict[str, set[str]] = {}
 
     def attach_telemetry(self, source: TelemetrySource) -> None:
         """Where GetLoads reads the engine's figures (phasescope.serve.app, once they exist)."""
         self._telemetry = source
 
-    def _abortable(self, request_id: str, engine_request_id: str) -> _Abortable:
-        """The request can be aborted by the gateway's id while the engine runs it."""
-        return _Abortable(self._engine_ids, request_id, engine_request_id)
-
     @maps_own_errors
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
-        path = self._path
         self._last_receive = time.time()
         streaming = not isinstance(request, UndecodableRequest) and request.stream
-        # The status mapping is here, not in an interceptor's wrapper: each message crosses one generator.
-        async with StatusOnError(context), path.begin(streaming, context) as lifecycle:
-            engine = path.ready_engine()
-            if isinstance(request, UndecodableRequest):
-                raise InvalidRequestError(request.field, request.reason)
-            asked = parse_generate(request, engine.limits, engine.description.data_parallel_size)
-            async with lifecycle.admitted(path.caller(context)):
-                prompt = await tokenize_off_loop(engine, asked.parsed)
-                sampling_ask = asked.sampling
-                keep = sampling_ask.truncate_prompt_tokens if sampling_ask.HasField("truncate_prompt_tokens") else None
-                prompt = truncate_prompt(prompt, keep, engine.limits, "sampling_params.truncate_prompt_tokens")
-                check_prompt_length(len(prompt), engine.limits, "tokenized.input_ids")
-                sampling = build_sampling(asked.sampling, len(prompt), engine.limits)
-                # The engine's id is ours (gateway ids may collide across gateways); Abort maps them.
-                engine_request_id = new_engine_request_id()
-                steps = engine.generate(engine_request_id, prompt, sampling)
-                parameters = RequestParameters(
-                    max_tokens=sampling.max_tokens,
-                    temperature=sampling.temperature,
-                    top_p=sampling.top_p,
-                    constraint=sampling.structured.kind if sampling.structured is not None else "",
-                    samples=sampling.n,
-                )
-                text = asked.parsed.prompt if path.capture_text else ""
-                lifecycle.handed_to_engine(len(prompt), asked.request_id, parameters, text, engine_request_id)
-                with self._abortable(asked.request_id, engine_request_id):
-                    # One generator between the engine and gRPC (a second layer costs every message).
-                    # A unary call's samples: each one's ids and log probabilities, and its last step.
-                    outputs: dict[int, tuple[list[int], list[TokenLogprob]]] = {}
-                    ends: dict[int, EngineStep] = {}
-                    prompt_logprobs: list[TokenLogprob] = []
-                    async with aclosing(steps):
-                        async for step in steps:
-                            lifecycle.took(step)
-                            if streaming:
-                                yield _chunk(step, lifecycle.prompt_tokens, prompt[0])
-                                lifecycle.chunk_written()
-                                if step.finish_reason is not None or step.finished:
-                                    # A sample's complete carries its last step's delta, as vLLM's servicer sends it.
-                                    yield self._last(step, list(step.token_ids), step.logprobs, lifecycle, context)
-                                    lifecycle.chunk_written()
-                                continue
-                            output_ids, logprobs = outputs.setdefault(step.index, ([], []))
-                            output_ids.extend(step.token_ids)
-                            logprobs.extend(step.logprobs)
-                            prompt_logprobs.extend(step.prompt_logprobs)
-                            if step.finish_reason is not None or step.finished:
-                                ends[step.index] = step
-                            if step.finished:
-                                # One complete per sample, in order, with every id (vLLM's unary answer).
-                                for index in sorted(ends):
-                                    output_ids, logprobs = outputs.get(index, ([], []))
-                                    last = self._last(ends[index], output_ids, logprobs, lifecycle, context)
-                                    if prompt_logprobs and index == 0:
-                                        _fill_input_logprobs(last.complete.input_logprobs, prompt[0], prompt_logprobs)
-                                    yield last
-                                    lifecycle.chunk_written()
+        path = self._path
 
-    @staticmethod
-    def _last(
-        step: EngineStep,
-        output_ids: list[int],
-        logprobs: Sequence[TokenLogprob],
-        lifecycle: RequestLifecycle,
-        context: ServicerContext,
-    ) -> pb.GenerateResponse:
-        """A sample's `GenerateComplete`; on the request's last, its timings (the first sample's) are set
-        in the trailing metadata first."""
-        if step.finished:
-            timings = timings_message(lifecycle.final_timings())
-            context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
-        response = pb.GenerateResponse()
-        _fill_complete(response.complete, step, output_ids, lifecycle)
-        if logprobs:
-            _fill_logprobs(response.complete.output_logprobs, logprobs)
-        return response
+        def decode(limits: ModelLimits) -> GenerationAsk:
+            return decode_generate(request, limits, path.ready_engine().description.data_parallel_size)
+
+        # The status mapping is here, not in an interceptor's wrapper: each message crosses one generator.
+        async with StatusOnError(context), aclosing(path.generate(streaming, context, decode)) as outputs:
+            if streaming:
+                async for output in outputs:
+                    for response in _streamed(output, context):
+                        yield response
+                return
+            # Unary: each sample's ids and log probabilities, then one complete per sample, in order.
+            samples: dict[int, _Sample] = {}
+            async for output in outputs:
+                samples.setdefault(output.step.index, _Sample()).add(output)
+                if output.request_end is not None:
+                    _set_timings(context, output.request_end)
+                    for index in sorted(samples):
+                        yield samples[index].complete(output, first=index == 0)
 
     async def Abort(self, request: pb.AbortRequest, context: ServicerContext) -> pb.AbortResponse:
         # Also while draining: an abort only frees work.
-        engine = self._path.engine
-        if engine is None:
-            return pb.AbortResponse()
-        for request_id in request.request_ids:
-            for engine_request_id in list(self._engine_ids.get(request_id, ())):
-                await engine.abort(engine_request_id)
+        await self._path.abort(set(request.request_ids))
         return pb.AbortResponse()
 
     async def HealthCheck(self, request: pb.HealthCheckRequest, context: ServicerContext) -> pb.HealthCheckResponse:
@@ -274,36 +199,54 @@ class VllmEngineServicer:
             yield batch
 
 
-class _Abortable:
-    """Lists an engine request under the gateway's id while it runs (`Abort` finds it there). A class, not a
-    generator-based context manager: entered by every request."""
+class _Sample:
+    """What a unary call gathers of one sample: its ids, log probabilities and last step."""
 
-    __slots__ = ("_by_request", "_engine_request_id", "_request_id")
+    def __init__(self) -> None:
+        self.output_ids: list[int] = []
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob] = []
+        self.last: Output | None = None
 
-    def __init__(self, by_request: dict[str, set[str]], request_id: str, engine_request_id: str) -> None:
-        self._by_request = by_request
-        self._request_id = request_id
-        self._engine_request_id = engine_request_id
+    def add(self, output: Output) -> None:
+        self.output_ids.extend(output.step.token_ids)
+        self.logprobs.extend(output.step.logprobs)
+        self.prompt_logprobs.extend(output.step.prompt_logprobs)
+        if output.sample_end is not None:
+            self.last = output
 
-    def __enter__(self) -> None:
-        self._by_request.setdefault(self._request_id, set()).add(self._engine_request_id)
-
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> None:
-        engine_ids = self._by_request[self._request_id]
-        engine_ids.discard(self._engine_request_id)
-        if not engine_ids:
-            del self._by_request[self._request_id]
+    def complete(self, final: Output, *, first: bool) -> pb.GenerateResponse:
+        """Its `GenerateComplete` with every id (vLLM's unary answer); the first sample's carries the prompt's
+        log probabilities."""
+        response = _complete(self.last or final, self.output_ids, self.logprobs)
+        if first and self.prompt_logprobs:
+            _fill_input_logprobs(response.complete.input_logprobs, final.first_prompt_token, self.prompt_logprobs)
+        return response
 
 
-def _chunk(step: EngineStep, prompt_tokens: int, first_prompt_token: int) -> pb.GenerateResponse:
-    """A step's chunk, filled in place: `GenerateResponse(chunk=GenerateStreamChunk(...))` copies the
-    submessage, and costs twice as much on the path every streamed token takes."""
+def _streamed(output: Output, context: ServicerContext) -> list[pb.GenerateResponse]:
+    """A step's chunk and, on a sample's last step, its complete carrying that step's delta (as vLLM's servicer
+    sends it); the request's timings go in the trailing metadata before its last complete."""
+    step = output.step
+    responses = [_chunk(output)]
+    if output.sample_end is not None:
+        if output.request_end is not None:
+            _set_timings(context, output.request_end)
+        responses.append(_complete(output, list(step.token_ids), step.logprobs))
+    return responses
+
+
+def _set_timings(context: ServicerContext, end: RequestEnd) -> None:
+    timings = timings_message(end.timings)
+    context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
+
+
+def _chunk(output: Output) -> pb.GenerateResponse:
+    step = output.step
     response = pb.GenerateResponse()
     chunk = response.chunk
     chunk.token_ids.extend(step.token_ids)
-    chunk.prompt_tokens = prompt_tokens
+    chunk.prompt_tokens = output.prompt_tokens
     chunk.completion_tokens = len(step.token_ids)
     chunk.cached_tokens = step.cached_prompt_tokens
     if step.index:
@@ -311,7 +254,28 @@ def _chunk(step: EngineStep, prompt_tokens: int, first_prompt_token: int) -> pb.
     if step.logprobs:
         _fill_logprobs(chunk.output_logprobs, step.logprobs)
     if step.prompt_logprobs:
-        _fill_input_logprobs(chunk.input_logprobs, first_prompt_token, step.prompt_logprobs)
+        _fill_input_logprobs(chunk.input_logprobs, output.first_prompt_token, step.prompt_logprobs)
+    return response
+
+
+def _complete(output: Output, output_ids: list[int], logprobs: Sequence[TokenLogprob]) -> pb.GenerateResponse:
+    """A sample's `GenerateComplete`."""
+    step = output.step
+    response = pb.GenerateResponse()
+    complete = response.complete
+    complete.output_ids.extend(output_ids)
+    complete.finish_reason = step.finish_reason or "stop"
+    complete.prompt_tokens = output.prompt_tokens
+    complete.completion_tokens = len(output_ids)
+    complete.cached_tokens = step.cached_prompt_tokens
+    if step.index:
+        complete.index = step.index
+    if isinstance(step.stop_reason, int):
+        complete.matched_token_id = step.stop_reason
+    elif isinstance(step.stop_reason, str):
+        complete.matched_stop_str = step.stop_reason
+    if logprobs:
+        _fill_logprobs(complete.output_logprobs, logprobs)
     return response
 
 
@@ -340,23 +304,6 @@ def _fill_top(top: pb.TopLogProbs, entry: TokenLogprob) -> None:
     for token, value in entry.top:
         top.token_ids.append(token)
         top.values.append(value)
-
-
-def _fill_complete(
-    complete: pb.GenerateComplete, step: EngineStep, output_ids: list[int], lifecycle: RequestLifecycle
-) -> None:
-    """A sample's `GenerateComplete`, filled in place (as `_chunk` is, for the same reason)."""
-    complete.output_ids.extend(output_ids)
-    complete.finish_reason = step.finish_reason or "stop"
-    complete.prompt_tokens = lifecycle.prompt_tokens
-    complete.completion_tokens = len(output_ids)
-    complete.cached_tokens = step.cached_prompt_tokens
-    if step.index:
-        complete.index = step.index
-    if isinstance(step.stop_reason, int):
-        complete.matched_token_id = step.stop_reason
-    elif isinstance(step.stop_reason, str):
-        complete.matched_stop_str = step.stop_reason
 
 
 def _unary(behaviour: Any, request: type[Message], response: type[Message]) -> grpc.RpcMethodHandler[Any, Any]:

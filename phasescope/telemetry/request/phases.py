@@ -37,13 +37,11 @@ from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 logger = logging.getLogger(__name__)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class EngineTimestamps:
     """A request's timestamps as the engine core recorded them (monotonic); 0.0 means never reached.
 
-    vLLM sends them only with a request's outputs: a request that ends before its
-    first token has none. One is made for every step of every request, so it is not frozen
-    (a frozen dataclass costs twice as much to make, on the per-token path); treat it as a value.
+    vLLM sends them only with a request's outputs: a request that ends before its first token has none.
     """
 
     queued_ts: float
@@ -56,13 +54,9 @@ class EngineTimestamps:
     """The latest output token was produced."""
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class FrontendTimestamps:
-    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached.
-
-    A request's lifecycle makes a new one at each reading (four a request, on the path a wave of new
-    requests waits on), never changing one a record holds, so it is not frozen (making a frozen one costs
-    twice as much); treat it as a value."""
+    """What the front end saw of a request, on the same monotonic clock; 0.0 means not (yet) reached."""
 
     entry: float
     """The handler was entered: what the client waits for starts here."""
@@ -80,12 +74,9 @@ class FrontendTimestamps:
         return self.wall_at_entry + (monotonic - self.entry)
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PhaseTimings:
-    """Where a request's time went. A stage it never reached, or never left, is None.
-
-    Derived three times a request (its first token, its last chunk's timings, its record), so not frozen,
-    as the timestamps it comes from are not; treat it as a value."""
+    """Where a request's time went. A stage it never reached, or never left, is None."""
 
     frontend_seconds: float | None
     queue_seconds: float | None
@@ -160,8 +151,7 @@ def derive_phase_timings(
     `interference` is what other requests' prefill chunks cost this request's decode so far
     (the step aggregator's ledger, read by the request's lifecycle)."""
     first_token = engine.first_token_ts if engine is not None else 0.0
-    # Each stage is the interval between its two stamps (the table says what each holds). Every stamp
-    # is read once: this runs three times per request, on the path every request takes.
+    # Each stage is the interval between its two stamps (the table says what each holds).
     if engine is not None:
         stamps = (front.entry, front.handed_to_engine, front.ended, *_engine_stamps(engine))
     else:

@@ -9,15 +9,12 @@ docs/metrics.md documents each series; a test keeps the two in step.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics import MetricWrapperBase
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.telemetry.held import HandOnFirst
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import FRONTEND, INTAKE, STAGES
@@ -77,11 +74,6 @@ class PrometheusRequestObserver:
     def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
         """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
         its expression evaluates before the first request has missed or even run."""
-        # Before the series below: a scrape hands on the records an `ObserverGroup` holds for them first.
-        self._held_first = HandOnFirst()
-        registry.register(self._held_first)
-        # Labelled children by (metric, *labels): `labels()` costs ~2.5 µs, a dozen times per request.
-        self._children: dict[tuple[object, ...], Any] = {}
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             _PHASE_HELP,
@@ -190,19 +182,8 @@ class PrometheusRequestObserver:
             for code in _UNANSWERED_CODES:
                 self.without_first_token.labels(model, code)
 
-    def _child(self, metric: MetricWrapperBase, *labels: str) -> Any:
-        key = (metric, *labels)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = metric.labels(*labels)
-        return child
-
-    def read_after(self, hand_on: Callable[[], None]) -> None:
-        """Its records are held (`ObserverGroup`): every scrape calls `hand_on` before it collects these series."""
-        self._held_first.hand_on = hand_on
-
     def request_started(self, model: str) -> None:
-        self._child(self.requests_in_flight, model).inc()
+        self.requests_in_flight.labels(model).inc()
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         model = record.model
@@ -213,23 +194,21 @@ class PrometheusRequestObserver:
         prefill = self.tokens.prefill
         prefill[model] = prefill.get(model, 0) + record.prefill_tokens_computed
         if record.cached_prompt_tokens:
-            self._child(self.prefix_cache_tokens, model).inc(record.cached_prompt_tokens)
+            self.prefix_cache_tokens.labels(model).inc(record.cached_prompt_tokens)
             if self.cost is not None:
-                self._child(self.prefix_cache_flops, model).inc(self.cost.prefill_flops(record.cached_prompt_tokens))
+                self.prefix_cache_flops.labels(model).inc(self.cost.prefill_flops(record.cached_prompt_tokens))
         # A request's samples share its frontend and intake stages (observed once); queue, prefill and
         # the first token are each sample's own sequence's, as vLLM's series observe each.
         for stage in _AT_FIRST_TOKEN if record.request_first else _SAMPLE_AT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
+                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
-            self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
+            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
         if record.constraint and timings.queue_seconds is not None:
-            self._child(self.structured_queue_seconds, model, record.constraint).observe(
-                timings.queue_seconds, exemplar
-            )
+            self.structured_queue_seconds.labels(model, record.constraint).observe(timings.queue_seconds, exemplar)
         if record.request_first and record.streaming and timings.client_time_to_first_token_seconds is not None:
-            self._child(self.client_time_to_first_token_seconds, model).observe(
+            self.client_time_to_first_token_seconds.labels(model).observe(
                 timings.client_time_to_first_token_seconds, exemplar
             )
 
@@ -240,13 +219,13 @@ class PrometheusRequestObserver:
 
     def request_finished(self, record: PhaseRecord) -> None:
         model = record.model
-        self._child(self.requests_in_flight, model).dec()
-        self._child(self.requests, model, record.code, record.finish_reason).inc()
+        self.requests_in_flight.labels(model).dec()
+        self.requests.labels(model, record.code, record.finish_reason).inc()
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         answered = record.produced_first_token or any(sample.produced_first_token for sample in record.samples)
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
-            self._child(self.without_first_token, model, record.code).inc()
+            self.without_first_token.labels(model, record.code).inc()
         # The shared stages were observed with the first token, if one came.
         self._observe_sequence(model, record.timings, record.produced_first_token, exemplar, shared=not answered)
         # With n samples, each later one's own sequence too (its decode, duration, interference).
@@ -262,17 +241,17 @@ class PrometheusRequestObserver:
         for stage in stages:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
+                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
         if not answered:
             return
         if timings.decode_stalled_by_prefill_seconds is not None:
-            self._child(self.decode_stalled_seconds, model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
+            self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
         if timings.decode_prefill_interference_seconds is not None:
-            self._child(self.decode_interference_seconds, model).observe(
+            self.decode_interference_seconds.labels(model).observe(
                 timings.decode_prefill_interference_seconds, exemplar
             )
         if timings.e2e_seconds is not None:
-            self._child(self.request_duration_seconds, model).observe(timings.e2e_seconds, exemplar)
+            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
 
     def request_rejected(self, model: str, reason: str) -> None:
-        self._child(self.requests_rejected, model, reason).inc()
+        self.requests_rejected.labels(model, reason).inc()

@@ -9,33 +9,23 @@ each report with the attribution already made (`StepSink`, whose methods do noth
 live readers (WatchTelemetry, `top`) and the Prometheus gauges read the views. Removing a sink
 changes nothing else.
 
-With `batch_reports` above 1 the reports are held, each stamped with its time, and handed on
-together (the same code run for 32 steps in a row costs the front end half as much per step as
-when it runs between the output processor's passes). Every reader sees them all: `views` and
-`flush_reports` deliver what is held first. The interference ledger is not held: a request reads
-its totals at every step, and a step costs it a few dictionary updates.
+With a `pipeline` (phasescope.telemetry.pipeline) the reports wait there with the request records, each
+stamped with its time, and `views` hands on what is held before it reads. The interference ledger is
+updated at once: the requests whose tokens a step made read its totals next.
 """
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.held import HandOnSoon
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.attribution import StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
-from phasescope.telemetry.step.records import (
-    PHASES,
-    EngineIteration,
-    LedgerEntry,
-    QueueReport,
-    StepRecord,
-    StepReport,
-)
+from phasescope.telemetry.step.records import PHASES, EngineIteration, SchedulerState, StepRecord, StepReport
 from phasescope.telemetry.step.verdict import (
     Headroom,
     HeadroomLimits,
@@ -94,11 +84,8 @@ class StepSink:
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         """One output batch's inter-token gaps and preemptions, reported at `at` (None: now)."""
 
-    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
+    def queue(self, state: SchedulerState) -> None:
         """The engine's scheduler state at a stats update."""
-
-    def flushed(self) -> None:
-        """The reports held so far have all been handed on (a sink that sums them publishes now)."""
 
 
 class StepAggregator:
@@ -121,12 +108,12 @@ class StepAggregator:
         cost_per_hour: float | None = None,
         sinks: Iterable[StepSink] = (),
         kv_cache_capacity_tokens: int = 0,
-        batch_reports: int = 1,
+        pipeline: TelemetryPipeline | None = None,
         on_error: Callable[[str, BaseException], None] = lambda component, exc: None,
     ) -> None:
         """`cost_per_hour` is each engine's price (None: no cost figures); `kv_cache_capacity_tokens` its KV
-        cache's size (0: unknown). `batch_reports`: how many reports are held before they are handed on
-        (1: each at once); a held report that fails to aggregate goes to `on_error`."""
+        cache's size (0: unknown). `pipeline`: where reports wait before they are aggregated (None: at once);
+        a report that cannot be aggregated goes to `on_error` and costs that report only."""
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
@@ -138,21 +125,15 @@ class StepAggregator:
             engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
         )
         self.interference = InterferenceLedger()
-        self.read_interference: Callable[[int], Interference] = self.interference.read
-        """An engine's running interference totals, for a request to difference over its decode (the ledger's
-        own reader: every request reads it at every step, so one call, not two)."""
         self._sinks: tuple[StepSink, ...] = tuple(sinks)
         self._attributor: StepAttributor | None = None
         self._clock = clock
-        self._batch = max(1, batch_reports)
+        self._pipeline = pipeline
         self._on_error = on_error
-        # Held reports (how to deliver it, when it was made, what it said), in the order they came.
-        self._held: list[tuple[Callable[..., None], float, tuple[object, ...]]] = []
-        self._held_lock = threading.Lock()
-        # One delivery at a time (the engine's thread, a scrape's, a watcher's), in order.
-        self._delivery = threading.Lock()
-        # A full batch is handed on after the step's chunks are written, not before them.
-        self._flush_soon = HandOnSoon(self.flush_reports)
+
+    def read_interference(self, engine: int) -> Interference:
+        """An engine's running interference totals, for a request to difference over its decode."""
+        return self.interference.read(engine)
 
     def _attribute(self, step: StepRecord) -> StepCost:
         # Made at the first step: a device with no peak FLOP/s for the dtype fails each step, not the start.
@@ -171,125 +152,53 @@ class StepAggregator:
     def peak_flops(self) -> float:
         return self.peaks.peak_flops(self.dtype)
 
-    def record(self, step: StepRecord) -> None:
-        self._ledger(step)
-        self._hold(self._record, (step,))
-
-    def record_report(
-        self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None
-    ) -> None:
-        """One stats update of the engine (`records.StepForwarder.report`), held as one report."""
+    def record(self, report: StepReport) -> None:
+        """One stats update of the engine (`records.StepForwarder`): the ledger now, the rest when handed on."""
+        step = report.step
         if step is not None:
-            self._ledger(step)
-        self._hold(self._record_report, (iteration, queue, step))
-
-    def record_held(
-        self, build: Callable[..., StepReport], raw: tuple[object, ...], ledger: LedgerEntry | None
-    ) -> None:
-        """One stats update, its report built when it is handed on (`records.StepForwarder.report_held`); the
-        ledger's entry now, as `record_report` makes it."""
-        if ledger is not None:
-            engine, decode_requests, mixed, elapsed_seconds = ledger
             decode_share = 0.0
-            if mixed and not self.interference.has_reference(engine):
+            if step.kind == "mixed" and not self.interference.has_reference(step.engine):
                 # Before the engine's first decode-only step only: the step's roofline split stands in.
-                step = build(*raw)[2]
-                if step is not None:
-                    decode_share = self._attribute(step).shares["decode"].seconds
-            self.interference.add(engine, decode_requests, mixed, elapsed_seconds, decode_share)
-        self._hold(self._record_built, (build, raw))
+                decode_share = self._attribute(step).shares["decode"].seconds
+            self.interference.record(step, decode_share)
+        if self._pipeline is None:
+            self._aggregate(report, self._clock())
+        else:
+            self._pipeline.hold(self._aggregate, report, self._clock())
 
-    def _record_built(self, build: Callable[..., StepReport], raw: tuple[object, ...], at: float) -> None:
-        self._record_report(*build(*raw), at=at)
+    def hand_on(self) -> None:
+        """Aggregate what waits in the pipeline (every reader calls this first)."""
+        if self._pipeline is not None:
+            self._pipeline.hand_on()
 
-    def _ledger(self, step: StepRecord) -> None:
-        # The ledger now, held or not: the requests whose tokens this step made read its totals next.
-        decode_share = 0.0
-        if step.kind == "mixed" and not self.interference.has_reference(step.engine):
-            decode_share = self._attribute(step).shares["decode"].seconds
-        self.interference.record(step, decode_share)
-
-    def record_iteration(self, iteration: EngineIteration) -> None:
-        self._hold(self._record_iteration, (iteration,))
-
-    def record_queue(
-        self,
-        engine: int,
-        running: int,
-        waiting: int,
-        kv_cache_usage: float,
-        deferred: int = 0,
-        reason: str = "other",
-    ) -> None:
-        self._hold(self._record_queue, (engine, running, waiting, kv_cache_usage, deferred, reason))
-
-    def _hold(self, deliver: Callable[..., None], report: tuple[object, ...]) -> None:
-        with self._held_lock:
-            self._held.append((deliver, self._clock(), report))
-            full = len(self._held) >= self._batch
-        if full:
-            self._flush_soon()
-
-    def flush_reports(self) -> None:
-        """Hand on every held report, in order, each at the time it was made (readers call this first)."""
-        with self._delivery:
-            with self._held_lock:
-                held, self._held = self._held, []
-            for deliver, at, report in held:
-                self._contained(deliver, report, at)
-            for sink in self._sinks:
-                try:
-                    sink.flushed()
-                except Exception as exc:
-                    self._on_error("step", exc)
-
-    def _record_report(
-        self, iteration: EngineIteration | None, queue: QueueReport | None, step: StepRecord | None, at: float
-    ) -> None:
-        # Each part as if handed on alone: one that cannot be aggregated costs that part only.
-        if iteration is not None:
-            self._contained(self._record_iteration, (iteration,), at)
-        if queue is not None:
-            self._contained(self._record_queue, queue, at)
-        if step is not None:
-            self._contained(self._record, (step,), at)
-
-    def _contained(self, deliver: Callable[..., None], report: tuple[object, ...], at: float) -> None:
+    def _aggregate(self, report: StepReport, at: float) -> None:
+        """A report made at `at`."""
         try:
-            deliver(*report, at=at)
-        except Exception as exc:  # a report that cannot be aggregated costs that report only
+            self._aggregate_parts(report, at)
+        except Exception as exc:
             self._on_error("step", exc)
 
-    def _record(self, step: StepRecord, at: float) -> None:
-        """A step made at `at` (its interference entry was made when it came)."""
-        cost = self._attribute(step)
-        self.window.add(step, cost, at)
-        for sink in self._sinks:
-            sink.step(step, cost)
-
-    def _record_iteration(self, iteration: EngineIteration, at: float) -> None:
-        if iteration.preemptions:
-            self.window.add_preemptions(iteration.engine, iteration.preemptions, at)
-        for sink in self._sinks:
-            sink.iteration(iteration, at)
-
-    def _record_queue(
-        self,
-        engine: int,
-        running: int,
-        waiting: int,
-        kv_cache_usage: float,
-        deferred: int,
-        reason: str,
-        at: float,
-    ) -> None:
-        self.window.add_queue(engine, running, waiting, kv_cache_usage, reason, at)
-        for sink in self._sinks:
-            sink.queue(engine, running, waiting, kv_cache_usage, deferred)
+    def _aggregate_parts(self, report: StepReport, at: float) -> None:
+        if report.iteration is not None:
+            iteration = report.iteration
+            if iteration.preemptions:
+                self.window.add_preemptions(iteration.engine, iteration.preemptions, at)
+            for sink in self._sinks:
+                sink.iteration(iteration, at)
+        if report.scheduler is not None:
+            state = report.scheduler
+            self.window.add_queue(state.engine, state.running, state.waiting, state.kv_cache_usage, state.reason, at)
+            for sink in self._sinks:
+                sink.queue(state)
+        if report.step is not None:
+            cost = self._attribute(report.step)
+            self.window.add(report.step, cost, at)
+            for sink in self._sinks:
+                sink.step(report.step, cost)
 
     def views(self) -> tuple[float, list[EngineView]]:
         """The window's length and, per engine, every figure with its verdicts, headroom and cost."""
-        self.flush_reports()
+        self.hand_on()
         phases, devices = self.window.figures()
         return self.window.length(), self.views_of(phases, devices)
 

@@ -16,10 +16,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.telemetry.held import HandOnFirst, observe_all
+from phasescope.telemetry.histograms import observe_all
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
-from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, StepRecord
+from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, SchedulerState, StepRecord
 from phasescope.telemetry.step.verdict import VERDICTS
 from phasescope.telemetry.step.window import WAIT_REASONS, DeviceFigures, PhaseFigures
 
@@ -36,8 +36,6 @@ class StepMetrics(StepSink, Collector):
     gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
     def __init__(self, model: str, steps: StepAggregator, registry: CollectorRegistry) -> None:
-        # Before the counters below: a scrape collects in registration order, and hands on what is held first.
-        registry.register(HandOnFirst(steps.flush_reports))
         self._model = model
         self._steps = steps
         self._peaks = steps.peaks
@@ -120,94 +118,42 @@ class StepMetrics(StepSink, Collector):
             for kind in STEP_KINDS:
                 self.steps.labels(model, str(engine), kind)
         self._inter_token = self.inter_token_latency_seconds.labels(model)
-        # Labelled children by engine (and phase), looked up once.
-        self._phase_children: dict[tuple[int, str], tuple[Counter, Counter, Counter, Counter, Counter]] = {}
-        self._queue_children: dict[int, tuple[Gauge, Gauge, Gauge, Gauge]] = {}
-        self._step_children: dict[tuple[int, str], Counter] = {}
         # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
-        self._last_queue: dict[int, tuple[int, int, float, int]] = {}
-        # What the reports of one hand-over add, summed as they come and added to the series once at its end
-        # (`flushed`): a counter child costs a lock and its checks per increment, an engine step a dozen.
-        self._pending_phases: dict[tuple[int, str], list[float]] = {}
-        self._pending_steps: dict[tuple[int, str], int] = {}
-        self._pending_gaps: list[float] = []
-        self._pending_preemptions: dict[int, int] = {}
+        self._last_queue: dict[int, SchedulerState] = {}
         registry.register(self)
         steps.add_sink(self)
 
-    def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
-        state = (running, waiting, kv_cache_usage, deferred)
-        if self._last_queue.get(engine) == state:
+    def queue(self, state: SchedulerState) -> None:
+        if self._last_queue.get(state.engine) == state:
             return
-        self._last_queue[engine] = state
-        children = self._queue_children.get(engine)
-        if children is None:
-            labels = (self._model, str(engine))
-            children = self._queue_children[engine] = (
-                self.engine_requests.labels(*labels, "running"),
-                self.engine_requests.labels(*labels, "waiting"),
-                self.kv_cache_usage.labels(*labels),
-                self.engine_requests.labels(*labels, "deferred"),
-            )
-        children[0].set(running)
-        children[1].set(waiting)
-        children[2].set(kv_cache_usage)
-        children[3].set(deferred)
+        self._last_queue[state.engine] = state
+        labels = (self._model, str(state.engine))
+        self.engine_requests.labels(*labels, "running").set(state.running)
+        self.engine_requests.labels(*labels, "waiting").set(state.waiting)
+        self.engine_requests.labels(*labels, "deferred").set(state.deferred)
+        self.kv_cache_usage.labels(*labels).set(state.kv_cache_usage)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
-        self._pending_gaps.extend(iteration.inter_token_seconds)
+        # A step's gaps observed together (one per running request).
+        observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
-            pending = self._pending_preemptions
-            pending[iteration.engine] = pending.get(iteration.engine, 0) + iteration.preemptions
+            self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
 
     def step(self, step: StepRecord, cost: StepCost) -> None:
-        steps = self._pending_steps
-        key = (step.engine, step.kind)
-        steps[key] = steps.get(key, 0) + 1
+        engine = str(step.engine)
+        self.steps.labels(self._model, engine, step.kind).inc()
         for phase, share in cost.shares.items():
             if share.tokens == 0:
                 continue
-            sums = self._pending_phases.get((step.engine, phase))
-            if sums is None:
-                sums = self._pending_phases[(step.engine, phase)] = [0.0, 0.0, 0.0, 0.0, 0.0]
-            sums[0] += share.flops
-            sums[1] += share.read_bytes
-            sums[2] += share.written_bytes
-            sums[3] += share.seconds
-            sums[4] += share.tokens
-
-    def flushed(self) -> None:
-        for (engine, phase), sums in self._pending_phases.items():
-            for counter, total in zip(self._phase_counters(engine, phase), sums, strict=True):
-                counter.inc(total)
-        self._pending_phases.clear()
-        for (engine, kind), count in self._pending_steps.items():
-            steps = self._step_children.get((engine, kind))
-            if steps is None:
-                steps = self._step_children[(engine, kind)] = self.steps.labels(self._model, str(engine), kind)
-            steps.inc(count)
-        self._pending_steps.clear()
-        observe_all(self._inter_token, self._pending_gaps)
-        self._pending_gaps.clear()
-        for engine, count in self._pending_preemptions.items():
-            self.preemptions.labels(self._model, str(engine)).inc(count)
-        self._pending_preemptions.clear()
-
-    def _phase_counters(self, engine: int, phase: str) -> tuple[Counter, Counter, Counter, Counter, Counter]:
-        children = self._phase_children.get((engine, phase))
-        if children is None:
-            labels = (self._model, str(engine), phase)
-            children = self._phase_children[(engine, phase)] = (
-                self.flops.labels(*labels),
-                self.bytes_read.labels(*labels),
-                self.written_bytes.labels(*labels),
-                self.busy_seconds.labels(*labels),
-                self.step_tokens.labels(*labels),
-            )
-        return children
+            labels = (self._model, engine, phase)
+            self.flops.labels(*labels).inc(share.flops)
+            self.bytes_read.labels(*labels).inc(share.read_bytes)
+            self.written_bytes.labels(*labels).inc(share.written_bytes)
+            self.busy_seconds.labels(*labels).inc(share.seconds)
+            self.step_tokens.labels(*labels).inc(share.tokens)
 
     def collect(self) -> Iterator[Metric]:
-        self._steps.flush_reports()
+        self._steps.hand_on()
         window_of_steps = self._steps.window
         phases, devices = window_of_steps.figures()
         window = f"over the last {window_of_steps.window_seconds:g} s of engine steps"

@@ -3,9 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
 from contextlib import AsyncExitStack
-from typing import Any
 
 import pytest
 
@@ -13,17 +11,6 @@ from phasescope.errors import ClientLimitError, OverloadedError
 from phasescope.serve.admission import Admission
 
 
-def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    """A test that runs `scenario` on a fresh event loop."""
-
-    def test() -> None:
-        asyncio.run(scenario())
-
-    test.__name__ = scenario.__name__
-    return test
-
-
-@run
 async def test_beyond_running_plus_queued_is_overloaded() -> None:
     admission = Admission(max_running=1, max_queued=1)
     async with AsyncExitStack() as held:
@@ -38,7 +25,6 @@ async def test_beyond_running_plus_queued_is_overloaded() -> None:
     assert admission.in_flight == 0
 
 
-@run
 async def test_one_caller_cannot_take_more_than_its_share() -> None:
     admission = Admission(max_running=4, max_queued=4, per_client=2)
     async with AsyncExitStack() as held:
@@ -57,7 +43,6 @@ async def test_one_caller_cannot_take_more_than_its_share() -> None:
         assert admission.in_flight == 3
 
 
-@run
 async def test_the_server_limit_is_reported_before_the_callers() -> None:
     admission = Admission(max_running=1, max_queued=0, per_client=1)
     async with admission.permit("a"):
@@ -66,7 +51,6 @@ async def test_the_server_limit_is_reported_before_the_callers() -> None:
     assert not isinstance(caught.value, ClientLimitError)
 
 
-@run
 async def test_a_permit_goes_back_when_its_request_fails_or_is_cancelled() -> None:
     admission = Admission(max_running=1, max_queued=0)
     with pytest.raises(RuntimeError):
@@ -89,7 +73,6 @@ async def test_a_permit_goes_back_when_its_request_fails_or_is_cancelled() -> No
     await asyncio.wait_for(admission.wait_idle(), timeout=1.0)
 
 
-@run
 async def test_callers_leave_no_trace_once_their_requests_end() -> None:
     admission = Admission(max_running=8, max_queued=0, per_client=1)
     for index in range(100):
@@ -99,7 +82,6 @@ async def test_callers_leave_no_trace_once_their_requests_end() -> None:
     assert admission._by_client == {}
 
 
-@run
 async def test_without_a_per_client_limit_callers_are_not_told_apart() -> None:
     admission = Admission(max_running=2, max_queued=0)
     async with admission.permit("a"), admission.permit("b"):

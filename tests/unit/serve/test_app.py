@@ -18,7 +18,7 @@ from phasescope.client.client import AsyncClient, build_request
 from phasescope.errors import EngineUnavailableError
 from phasescope.serve.app import Server, event_loop_factory
 from phasescope.serve.config import Settings, SettingsError, parse_settings
-from phasescope.telemetry.held import FIRST_TOKEN_WAITS, nobody_waits
+from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.records import StepForwarder
 from support.fake_engine import Script, ScriptedEngine
 
@@ -40,7 +40,9 @@ class Factory:
         self.engine = ScriptedEngine()
         self.release = threading.Event()
 
-    def __call__(self, settings: Settings, model_path: str, model_name: str, steps: StepForwarder) -> ScriptedEngine:
+    def __call__(
+        self, settings: Settings, model_path: str, model_name: str, steps: StepForwarder, pipeline: TelemetryPipeline
+    ) -> ScriptedEngine:
         # Known by --model as given, as vLLM's worker names its model.
         assert (model_path, model_name) == ("/models/scripted", "/models/scripted")
         self.release.wait(10)
@@ -113,7 +115,7 @@ def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> N
     assert factory.engine.closed
 
 
-def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
+async def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
     factory = Factory()
 
     async def scenario() -> tuple[int, str]:
@@ -122,12 +124,12 @@ def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
             code = await asyncio.wait_for(running, 10)
         return code, "closed" if factory.engine.closed else "open"
 
-    code, engine_state = asyncio.run(scenario())
+    code, engine_state = await scenario()
     assert code == 1
     assert engine_state == "closed"
 
 
-def test_a_request_that_meets_a_dead_engine_sees_health_off_first_and_the_log_names_it(
+async def test_a_request_that_meets_a_dead_engine_sees_health_off_first_and_the_log_names_it(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     # Guards issue 45: the death was told to clients up to a second before health said NOT_SERVING.
@@ -158,7 +160,7 @@ def test_a_request_that_meets_a_dead_engine_sees_health_off_first_and_the_log_na
         return code, message, health, exit_code
 
     with caplog.at_level(logging.ERROR, logger="phasescope.serve.app"):
-        code, message, health, exit_code = asyncio.run(scenario())
+        code, message, health, exit_code = await scenario()
     assert code is grpc.StatusCode.UNAVAILABLE
     assert "the engine died" in message
     assert health == "NOT_SERVING"
@@ -182,7 +184,7 @@ def test_the_event_loop_is_uvloop_when_installed_and_asyncio_on_request(monkeypa
         parse_settings(["--event-loop", "trio"], environ={})
 
 
-def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
+async def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released_at_stop() -> None:
     factory = Factory()
     before = gc.get_threshold()
 
@@ -197,7 +199,7 @@ def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released
         return start_up_held_back, young, code
 
     try:
-        held_back, young, code = asyncio.run(scenario())
+        held_back, young, code = await scenario()
         assert code == 0
         assert held_back
         # While serving, the youngest generation waits for 50 objects per running request (64 by default).
@@ -212,25 +214,23 @@ def test_the_start_up_heap_is_kept_out_of_collections_while_serving_and_released
         gc.set_threshold(*before)
 
 
-def test_held_telemetry_waits_while_a_request_of_this_server_waits_for_its_first_token() -> None:
+async def test_the_telemetry_pipeline_waits_on_this_servers_requests_first_tokens() -> None:
     factory = Factory()
     factory.engine = ScriptedEngine(lambda prompt: Script(queue_seconds=0.3))
-
-    async def scenario() -> tuple[bool, bool, bool]:
-        async with serving(factory) as (server, running, client):
-            answer = asyncio.create_task(client.generate(build_request(prompt="a slow first token", max_tokens=2)))
-            for _ in range(200):
-                if FIRST_TOKEN_WAITS.waiting():
-                    break
-                await asyncio.sleep(0.005)
-            while_queued = FIRST_TOKEN_WAITS.waiting()
-            await answer
-            answered = FIRST_TOKEN_WAITS.waiting()
-            server.request_stop()
-            await running
-        return while_queued, answered, FIRST_TOKEN_WAITS.waiting is nobody_waits
-
-    assert asyncio.run(scenario()) == (True, False, True)
+    async with serving(factory) as (server, running, client):
+        assert server.built is not None
+        waits = server.built.pipeline.waits
+        assert waits is server.built.path.first_token_waits
+        answer = asyncio.create_task(client.generate(build_request(prompt="a slow first token", max_tokens=2)))
+        for _ in range(200):
+            if waits:
+                break
+            await asyncio.sleep(0.005)
+        assert waits.count == 1
+        await answer
+        assert waits.count == 0
+        server.request_stop()
+        await running
 
 
 @pytest.mark.parametrize(

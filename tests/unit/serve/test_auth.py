@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 from pathlib import Path
 from typing import Any
 
@@ -49,12 +48,12 @@ async def call(metadata: tuple[tuple[str, str], ...] | None, service: str = SERV
         ((("authorization", "bearer other"),), b"hi"),
     ],
 )
-def test_calls_need_a_known_bearer_token(metadata: tuple[tuple[str, str], ...] | None, expected: object) -> None:
-    assert asyncio.run(call(metadata)) == expected
+async def test_calls_need_a_known_bearer_token(metadata: tuple[tuple[str, str], ...] | None, expected: object) -> None:
+    assert await call(metadata) == expected
 
 
-def test_exempt_services_stay_open() -> None:
-    assert asyncio.run(call(None, service=OPEN)) == b"hi"
+async def test_exempt_services_stay_open() -> None:
+    assert await call(None, service=OPEN) == b"hi"
 
 
 def test_tokens_come_from_file_and_environment(tmp_path: Path) -> None:

@@ -8,89 +8,26 @@ milliseconds, rare paths included.
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import asynccontextmanager
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 
-from phasescope.client.client import AsyncClient, build_request
+from phasescope.client.client import build_request
 from phasescope.errors import EngineUnavailableError
-from phasescope.serve.admission import Admission
-from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor
-from phasescope.serve.lifecycle import RequestPath
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.v1 import inference_pb2 as pb
 from support.fake_engine import Script, ScriptedEngine
-
-MODEL = "scripted"
-PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "flag", "toy")
-T = TypeVar("T")
+from support.served import Served, eventually, served
 
 
-class Served:
-    def __init__(self, engine: ScriptedEngine, servicer: InferenceServicer, registry: CollectorRegistry) -> None:
-        self.engine = engine
-        self.servicer = servicer
-        self.registry = registry
-        self.client: AsyncClient
-
-    def value(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
-
-
-@asynccontextmanager
-async def serve(
-    engine: ScriptedEngine, *, max_running: int = 4, max_queued: int = 0, per_client: int = 0
-) -> AsyncIterator[Served]:
-    registry = CollectorRegistry()
-    servicer = InferenceServicer(
-        RequestPath(
-            PrometheusRequestObserver(registry, MODEL),
-            Admission(max_running, max_queued, per_client),
-            MODEL,
-            identify=lambda context: "one caller",
-        )
-    )
-    servicer.attach_engine(engine, PEAKS)
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))])
-    server.add_generic_rpc_handlers((inference_handler(servicer),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    served = Served(engine, servicer, registry)
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}", timeout_seconds=10) as client:
-            served.client = client
-            yield served
-    finally:
-        await server.stop(grace=None)
-
-
-def run(scenario: Callable[[], Awaitable[T]]) -> T:
-    return asyncio.run(scenario())  # type: ignore[arg-type]  # a coroutine function's result is a coroutine
-
-
-async def eventually(condition: Callable[[], bool], within_seconds: float = 5.0) -> None:
-    """The server finishes a request's bookkeeping just after the client sees its status."""
-    deadline = asyncio.get_running_loop().time() + within_seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
-
-
-def test_a_stream_returns_each_step_then_usage_and_timings() -> None:
+async def test_a_stream_returns_each_step_then_usage_and_timings() -> None:
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], Served]:
-        async with serve(ScriptedEngine(lambda prompt: Script(tokens=[5, 6, 7], finish_reason="stop"))) as s:
+        async with served(ScriptedEngine(lambda prompt: Script(tokens=[5, 6, 7], finish_reason="stop"))) as s:
             chunks = [c async for c in s.client.generate_stream(build_request(prompt="a bb ccc", max_tokens=8))]
             await eventually(lambda: s.value("phasescope_requests_in_flight") == 0 and bool(s.engine.finished))
             return chunks, s
 
-    chunks, s = run(scenario)
+    chunks, s = await scenario()
     assert [list(c.token_ids) for c in chunks] == [[5], [6], [7]]
     last = chunks[-1]
     assert last.finish_reason == pb.FINISH_REASON_STOP
@@ -107,12 +44,12 @@ def test_a_stream_returns_each_step_then_usage_and_timings() -> None:
     assert s.value("phasescope_client_time_to_first_token_seconds_count") == 1
 
 
-def test_generate_aggregates_the_steps_and_echoes_the_clients_id() -> None:
+async def test_generate_aggregates_the_steps_and_echoes_the_clients_id() -> None:
     async def scenario() -> pb.GenerateResponse:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             return await s.client.generate(build_request(prompt="hi", request_id="mine", max_tokens=8))
 
-    response = run(scenario)
+    response = await scenario()
     assert response.text == "t11 t12 t13 "
     assert list(response.token_ids) == [11, 12, 13]
     assert response.request_id == "mine"
@@ -120,28 +57,28 @@ def test_generate_aggregates_the_steps_and_echoes_the_clients_id() -> None:
     assert response.timings.e2e_seconds > 0
 
 
-def test_usage_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
+async def test_usage_says_how_much_of_the_prompt_the_prefix_cache_held() -> None:
     async def scenario() -> pb.GenerateResponse:
         script = Script(tokens=[5, 6], cached_prompt_tokens=2)
-        async with serve(ScriptedEngine(lambda prompt: script)) as s:
+        async with served(ScriptedEngine(lambda prompt: script)) as s:
             return await s.client.generate(build_request(prompt="a bb ccc", max_tokens=8))
 
-    usage = run(scenario).usage
+    usage = (await scenario()).usage
     assert (usage.prompt_tokens, usage.cached_prompt_tokens, usage.completion_tokens) == (3, 2, 2)
 
 
-def test_n_samples_stream_indexed_each_with_its_finish_and_timings_and_usage_counts_them_all() -> None:
+async def test_n_samples_stream_indexed_each_with_its_finish_and_timings_and_usage_counts_them_all() -> None:
     script = Script(tokens=[5, 6], finish_reason="stop", cached_prompt_tokens=0, sample_cached_prompt_tokens=2)
 
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse, Served]:
-        async with serve(ScriptedEngine(lambda prompt: script)) as s:
+        async with served(ScriptedEngine(lambda prompt: script)) as s:
             request = build_request(prompt="a bb ccc", max_tokens=8, n=3, seed=4)
             chunks = [chunk async for chunk in s.client.generate_stream(request)]
             unary = await s.client.generate(request)
             await eventually(lambda: s.value("phasescope_requests_in_flight") == 0)
             return chunks, unary, s
 
-    chunks, unary, s = run(scenario)
+    chunks, unary, s = await scenario()
     assert [(chunk.index, list(chunk.token_ids)) for chunk in chunks] == [
         (0, [5]),
         (1, [105]),
@@ -183,28 +120,28 @@ def test_n_samples_stream_indexed_each_with_its_finish_and_timings_and_usage_cou
     ("sampling", "reason"),
     [({"n": 2, "temperature": 0.0}, "greedy"), ({"n": 0}, "[1, 128]"), ({"n": 129}, "[1, 128]")],
 )
-def test_n_the_engine_cannot_sample_is_refused_naming_it(sampling: dict[str, Any], reason: str) -> None:
+async def test_n_the_engine_cannot_sample_is_refused_naming_it(sampling: dict[str, Any], reason: str) -> None:
     async def scenario() -> grpc.aio.AioRpcError:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.client.generate(build_request(prompt="hi", max_tokens=2, **sampling))
             assert not s.engine.started
             return caught.value
 
-    error = run(scenario)
+    error = await scenario()
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (error.details() or "").startswith("sampling.n: ")
     assert reason in (error.details() or "")
 
 
-def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
+async def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             request = build_request(prompt="hi", max_tokens=8, logprobs=1)
             chunks = [chunk async for chunk in s.client.generate_stream(request)]
             return chunks, await s.client.generate(request)
 
-    chunks, unary = run(scenario)
+    chunks, unary = await scenario()
     for chunk in chunks:
         assert [entry.token_id for entry in chunk.logprobs] == list(chunk.token_ids)
     assert [(e.token_id, e.logprob, [(t.token_id, t.logprob) for t in e.top]) for e in unary.logprobs] == [
@@ -213,24 +150,24 @@ def test_log_probabilities_come_with_every_token_streamed_and_unary() -> None:
     assert not unary.prompt_logprobs
 
 
-def test_prompt_log_probabilities_come_once_for_each_prompt_token_after_the_first() -> None:
+async def test_prompt_log_probabilities_come_once_for_each_prompt_token_after_the_first() -> None:
     async def scenario() -> tuple[list[pb.GenerateStreamResponse], pb.GenerateResponse]:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             request = build_request(token_ids=[5, 6, 7], max_tokens=8, prompt_logprobs=0)
             chunks = [chunk async for chunk in s.client.generate_stream(request)]
             return chunks, await s.client.generate(request)
 
-    chunks, unary = run(scenario)
+    chunks, unary = await scenario()
     assert [entry.token_id for entry in chunks[0].prompt_logprobs] == [6, 7]
     assert not any(chunk.prompt_logprobs for chunk in chunks[1:])
     assert [entry.token_id for entry in unary.prompt_logprobs] == [6, 7]
 
 
-def test_an_engine_failure_mid_stream_ends_it_unavailable_and_frees_its_slot() -> None:
+async def test_an_engine_failure_mid_stream_ends_it_unavailable_and_frees_its_slot() -> None:
     script = Script(tokens=[1, 2, 3, 4], fail_after=2, failure=EngineUnavailableError("an engine core stopped"))
 
     async def scenario() -> tuple[list[int], grpc.StatusCode, Served, int]:
-        async with serve(ScriptedEngine(lambda prompt: script), max_running=1) as s:
+        async with served(ScriptedEngine(lambda prompt: script), max_concurrent_requests=1) as s:
             received: list[int] = []
 
             async def read() -> None:
@@ -239,44 +176,44 @@ def test_an_engine_failure_mid_stream_ends_it_unavailable_and_frees_its_slot() -
 
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await read()
-            await eventually(lambda: s.servicer.admission.in_flight == 0)
+            await eventually(lambda: s.built.path.admission.in_flight == 0)
             # The only slot is free again: the next request is admitted.
             after = await s.client.generate(build_request(prompt="y", max_tokens=1))
             return received, caught.value.code(), s, len(after.token_ids)
 
-    received, code, s, served_after = run(scenario)
+    received, code, s, served_after = await scenario()
     assert received == [1, 2]
     assert code is grpc.StatusCode.UNAVAILABLE
     assert served_after == 1
     assert s.value("phasescope_requests_total", code="UNAVAILABLE", finish_reason="error") == 1
 
 
-def test_an_unexpected_engine_error_is_internal_and_hides_its_details() -> None:
+async def test_an_unexpected_engine_error_is_internal_and_hides_its_details() -> None:
     script = Script(fail_after=0, failure=ZeroDivisionError("secret internals"))
 
     async def scenario() -> grpc.aio.AioRpcError:
-        async with serve(ScriptedEngine(lambda prompt: script)) as s:
+        async with served(ScriptedEngine(lambda prompt: script)) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.client.generate(build_request(prompt="x", max_tokens=8))
             await eventually(lambda: s.value("phasescope_requests_total", code="INTERNAL", finish_reason="error") == 1)
             return caught.value
 
-    error = run(scenario)
+    error = await scenario()
     assert error.code() is grpc.StatusCode.INTERNAL
     assert "secret internals" not in (error.details() or "")
 
 
-def test_a_client_cancel_aborts_the_engine_request_and_counts_it() -> None:
+async def test_a_client_cancel_aborts_the_engine_request_and_counts_it() -> None:
     async def scenario() -> Served:
-        async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1))) as s:
+        async with served(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1))) as s:
             stream = s.client.generate_stream(build_request(prompt="x", max_tokens=8))
             async for _ in stream:
                 break
             await stream.aclose()  # type: ignore[attr-defined]  # an async generator
-            await eventually(lambda: bool(s.engine.aborted) and s.servicer.admission.in_flight == 0)
+            await eventually(lambda: bool(s.engine.aborted) and s.built.path.admission.in_flight == 0)
             return s
 
-    s = run(scenario)
+    s = await scenario()
     assert len(s.engine.aborted) == 1
     assert s.value("phasescope_requests_total", code="CANCELLED", finish_reason="abort") == 1
     # Its first token came, so it is no "request without a first token".
@@ -284,23 +221,23 @@ def test_a_client_cancel_aborts_the_engine_request_and_counts_it() -> None:
     assert s.value("phasescope_time_to_first_token_seconds_count") == 1
 
 
-def test_a_deadline_before_the_first_token_is_recorded_as_such() -> None:
+async def test_a_deadline_before_the_first_token_is_recorded_as_such() -> None:
     async def scenario() -> Served:
-        async with serve(ScriptedEngine(lambda prompt: Script(hang_after=0))) as s:
+        async with served(ScriptedEngine(lambda prompt: Script(hang_after=0))) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.client.generate(build_request(prompt="x", max_tokens=8), deadline_seconds=0.2)
             assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
             await eventually(lambda: s.value("phasescope_requests_in_flight") == 0 and bool(s.engine.aborted))
             return s
 
-    s = run(scenario)
+    s = await scenario()
     assert s.value("phasescope_requests_without_first_token_total", code="DEADLINE_EXCEEDED") == 1
     assert s.value("phasescope_requests_total", code="DEADLINE_EXCEEDED", finish_reason="abort") == 1
     assert s.value("phasescope_request_phase_seconds_count", phase="abandoned") == 1
     assert s.value("phasescope_time_to_first_token_seconds_count") == 0
 
 
-def test_over_capacity_is_refused_before_tokenising_and_counted() -> None:
+async def test_over_capacity_is_refused_before_tokenising_and_counted() -> None:
     tokenised: list[str] = []
 
     class CountingEngine(ScriptedEngine):
@@ -309,7 +246,7 @@ def test_over_capacity_is_refused_before_tokenising_and_counted() -> None:
             return super().tokenize(parsed)
 
     async def scenario() -> tuple[grpc.StatusCode, Served]:
-        async with serve(CountingEngine(lambda prompt: Script(hang_after=1)), max_running=1) as s:
+        async with served(CountingEngine(lambda prompt: Script(hang_after=1)), max_concurrent_requests=1) as s:
             holder = s.client.generate_stream(build_request(prompt="hold", max_tokens=8))
             async for _ in holder:
                 break
@@ -318,64 +255,64 @@ def test_over_capacity_is_refused_before_tokenising_and_counted() -> None:
             await holder.aclose()  # type: ignore[attr-defined]  # an async generator
             return caught.value.code(), s
 
-    code, s = run(scenario)
+    code, s = await scenario()
     assert code is grpc.StatusCode.RESOURCE_EXHAUSTED
     # Only the admitted request was tokenised: a refusal costs no tokenising.
     assert tokenised == ["prompt"]
     assert s.value("phasescope_requests_rejected_total", reason="overloaded") == 1
 
 
-def test_a_refusal_after_admission_frees_the_slot_and_is_counted() -> None:
+async def test_a_refusal_after_admission_frees_the_slot_and_is_counted() -> None:
     async def scenario() -> tuple[grpc.StatusCode, Served, int]:
-        async with serve(ScriptedEngine(), max_running=1) as s:
+        async with served(ScriptedEngine(), max_concurrent_requests=1) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 # The engine refuses this sampling after the permit was taken.
                 await s.client.generate(build_request(prompt="x", max_tokens=8, temperature=3.0))
             ok = await s.client.generate(build_request(prompt="y", max_tokens=2))
             return caught.value.code(), s, len(ok.token_ids)
 
-    s_code, s, served = run(scenario)
+    s_code, s, answered = await scenario()
     assert s_code is grpc.StatusCode.INVALID_ARGUMENT
-    assert served == 2
-    assert s.servicer.admission.in_flight == 0
+    assert answered == 2
+    assert s.built.path.admission.in_flight == 0
     assert s.value("phasescope_requests_rejected_total", reason="invalid_argument") == 1
 
 
-def test_tokenize_refusals_are_counted_as_rejections() -> None:
+async def test_tokenize_refusals_are_counted_as_rejections() -> None:
     async def scenario() -> tuple[grpc.StatusCode, Served]:
-        async with serve(ScriptedEngine()) as s:
-            s.servicer.start_draining()
+        async with served(ScriptedEngine()) as s:
+            s.built.path.draining = True
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.client.tokenize("hello")
             return caught.value.code(), s
 
-    code, s = run(scenario)
+    code, s = await scenario()
     assert code is grpc.StatusCode.UNAVAILABLE
     assert s.value("phasescope_requests_rejected_total", reason="not_ready") == 1
 
 
-def test_a_dead_engine_refuses_new_requests_unavailable() -> None:
+async def test_a_dead_engine_refuses_new_requests_unavailable() -> None:
     engine = ScriptedEngine()
     engine.dead = True
 
     async def scenario() -> tuple[grpc.StatusCode, Served]:
-        async with serve(engine) as s:
+        async with served(engine) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await s.client.generate(build_request(prompt="x", max_tokens=2))
             return caught.value.code(), s
 
-    code, s = run(scenario)
+    code, s = await scenario()
     assert code is grpc.StatusCode.UNAVAILABLE
     assert s.value("phasescope_requests_rejected_total", reason="engine_unavailable") == 1
     assert not engine.started
 
 
-def test_model_info_reports_the_peaks_each_engine_is_judged_against() -> None:
+async def test_model_info_reports_the_peaks_each_engine_is_judged_against() -> None:
     async def scenario() -> pb.ModelInfo:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             return await s.client.model_info()
 
-    info = run(scenario)
+    info = await scenario()
     assert info.peak_memory_bandwidth_bytes_per_second == 100e9
     assert info.peak_flops == 1e12
     assert info.ridge_point_flops_per_byte == 10

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 from collections.abc import AsyncGenerator, AsyncIterator
 from typing import Any
@@ -82,19 +81,19 @@ async def call_stream(channel: grpc.aio.Channel, payload: bytes, name: str = "St
     return [chunk async for chunk in method(payload)]
 
 
-def test_known_errors_get_their_status_and_message() -> None:
+async def test_known_errors_get_their_status_and_message() -> None:
     async def scenario() -> grpc.aio.AioRpcError:
         async with served() as channel:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 await call_unary(channel, b"invalid")
             return caught.value
 
-    error = asyncio.run(scenario())
+    error = await scenario()
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert error.details() == "prompt: must not be empty"
 
 
-def test_unexpected_errors_are_internal_without_leaking_details(caplog: pytest.LogCaptureFixture) -> None:
+async def test_unexpected_errors_are_internal_without_leaking_details(caplog: pytest.LogCaptureFixture) -> None:
     async def scenario() -> tuple[grpc.aio.AioRpcError, bytes]:
         async with served() as channel:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
@@ -102,7 +101,7 @@ def test_unexpected_errors_are_internal_without_leaking_details(caplog: pytest.L
             # The server keeps serving.
             return caught.value, await call_unary(channel, b"fine")
 
-    error, after = asyncio.run(scenario())
+    error, after = await scenario()
     assert error.code() is grpc.StatusCode.INTERNAL
     assert "secret" not in (error.details() or "")
     assert "RuntimeError" in (error.details() or "")
@@ -111,7 +110,7 @@ def test_unexpected_errors_are_internal_without_leaking_details(caplog: pytest.L
     assert any(record.exc_info and "secret internals" in str(record.exc_info[1]) for record in caplog.records)
 
 
-def test_stream_error_after_chunks_ends_the_stream_with_the_status() -> None:
+async def test_stream_error_after_chunks_ends_the_stream_with_the_status() -> None:
     async def scenario() -> tuple[list[bytes], grpc.aio.AioRpcError, list[bytes]]:
         async with served() as channel:
             chunks: list[bytes] = []
@@ -125,13 +124,13 @@ def test_stream_error_after_chunks_ends_the_stream_with_the_status() -> None:
                 await read()
             return chunks, caught.value, await call_stream(channel, b"ok")
 
-    chunks, error, after = asyncio.run(scenario())
+    chunks, error, after = await scenario()
     assert chunks == [b"first"]
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert after == [b"first", b"second"]
 
 
-def test_a_stream_mapping_its_own_errors_is_left_unwrapped_and_ends_with_the_same_statuses() -> None:
+async def test_a_stream_mapping_its_own_errors_is_left_unwrapped_and_ends_with_the_same_statuses() -> None:
     async def scenario() -> tuple[grpc.RpcMethodHandler[Any, Any] | None, list[grpc.aio.AioRpcError], list[bytes]]:
         handler: grpc.RpcMethodHandler[Any, Any] = grpc.unary_stream_rpc_method_handler(own_stream)
 
@@ -148,7 +147,7 @@ def test_a_stream_mapping_its_own_errors_is_left_unwrapped_and_ends_with_the_sam
                 errors.append(caught.value)
             return (seen if seen is handler else None), errors, await call_stream(channel, b"ok", "OwnStream")
 
-    unwrapped, (overloaded, bug), after = asyncio.run(scenario())
+    unwrapped, (overloaded, bug), after = await scenario()
     # The interceptor hands the handler back as it is: no wrapper generator between its messages and gRPC.
     assert unwrapped is not None
     assert overloaded.code() is grpc.StatusCode.RESOURCE_EXHAUSTED

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Coroutine
-from typing import Any
 
 import pytest
 
 from phasescope.engine.base import EngineStep
 from phasescope.errors import InvalidRequestError, OverloadedError
 from phasescope.serve.admission import Admission
-from phasescope.serve.lifecycle import RequestLifecycle, RequestPath, new_engine_request_id
+from phasescope.serve.lifecycle import RequestLifecycle
+from phasescope.serve.path import RequestPath, new_engine_request_id
+from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup
 from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
 
@@ -55,14 +55,6 @@ class Deadline:
         return 0.0 if self.passed else None
 
 
-def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    def test() -> None:
-        asyncio.run(scenario())
-
-    test.__name__ = scenario.__name__
-    return test
-
-
 def step(tokens: int, *, finished: bool = False, first_token: bool = True) -> EngineStep:
     # Stamped after the hand-off, as the engine would.
     now = time.monotonic()
@@ -86,10 +78,9 @@ def path(recorder: Recorder, capacity: int = 4) -> RequestPath:
 
 
 def hand(request: RequestLifecycle) -> None:
-    request.handed_to_engine(5, "id-1", RequestParameters(max_tokens=3), "")
+    request.handed_to_engine(5, "id-1", "engine-1", RequestParameters(max_tokens=3))
 
 
-@run
 async def test_a_refusal_before_the_hand_off_is_counted_once_and_is_no_request() -> None:
     recorder = Recorder()
     requests = path(recorder)
@@ -100,7 +91,6 @@ async def test_a_refusal_before_the_hand_off_is_counted_once_and_is_no_request()
     assert recorder.calls == []
 
 
-@run
 async def test_a_full_server_refuses_at_the_permit_and_counts_it_overloaded() -> None:
     recorder = Recorder()
     requests = path(recorder, capacity=1)
@@ -114,7 +104,6 @@ async def test_a_full_server_refuses_at_the_permit_and_counts_it_overloaded() ->
     assert requests.admission.in_flight == 0
 
 
-@run
 async def test_each_record_is_emitted_once_in_order() -> None:
     recorder = Recorder()
     requests = path(recorder)
@@ -149,7 +138,6 @@ async def cancel(requests: RequestPath, *, deadline_passed: bool, steps: int) ->
         await cancelled()
 
 
-@run
 async def test_a_first_token_whose_chunk_never_reached_the_client_is_still_reported_once() -> None:
     recorder = Recorder()
     requests = path(recorder)
@@ -160,7 +148,6 @@ async def test_a_first_token_whose_chunk_never_reached_the_client_is_still_repor
     assert requests.admission.in_flight == 0
 
 
-@run
 async def test_a_cancellation_at_the_deadline_is_recorded_as_the_deadline() -> None:
     recorder = Recorder()
     await cancel(path(recorder), deadline_passed=True, steps=0)
@@ -168,7 +155,6 @@ async def test_a_cancellation_at_the_deadline_is_recorded_as_the_deadline() -> N
     assert not recorder.records[0].produced_first_token
 
 
-@run
 async def test_a_unary_answer_reaches_its_client_with_the_last_chunk_not_the_first() -> None:
     recorder = Recorder()
     requests = path(recorder)
@@ -186,13 +172,12 @@ async def test_a_unary_answer_reaches_its_client_with_the_last_chunk_not_the_fir
     assert recorder.records[0].timings.client_time_to_first_token_seconds == pytest.approx(handed_over)
 
 
-@run
 async def test_text_is_kept_only_when_capture_is_on() -> None:
     for capture in (False, True):
         recorder = Recorder()
         requests = RequestPath(recorder, Admission(1, 0), "tiny", capture_text=capture)
         async with requests.begin(True, Deadline()) as request, request.admitted(""):
-            request.handed_to_engine(5, "id", RequestParameters(), "the prompt" if capture else "")
+            request.handed_to_engine(5, "id", "engine-id", RequestParameters(), "the prompt" if capture else "")
             request.took(step(1, finished=True))
         text = recorder.records[0].text
         assert (text is not None) is capture
@@ -206,17 +191,12 @@ def test_engine_request_ids_never_repeat_and_read_as_a_uuid_s_hex() -> None:
     assert all(len(i) == 32 and int(i, 16) >= 0 for i in ids)
 
 
-class Held(Recorder):
-    """A Recorder whose records an ObserverGroup may hold (as the Prometheus series' and the live view's)."""
-
-    def read_after(self, hand_on: Callable[[], None]) -> None:
-        self.hand_on = hand_on
-
-
-@run
-async def test_records_are_held_while_a_request_waits_for_its_first_token_and_handed_on_once_none_does() -> None:
-    recorder = Held()
-    requests = RequestPath(ObserverGroup([recorder], hold_seconds=60.0), Admission(4, 0), "tiny")
+async def test_records_wait_while_a_request_waits_for_its_first_token_and_are_handed_on_once_none_does() -> None:
+    recorder = Recorder()
+    waits = FirstTokenWaits()
+    pipeline = TelemetryPipeline(waits, batch=1)
+    requests = RequestPath(ObserverGroup(batched=[recorder], pipeline=pipeline), Admission(4, 0), "tiny",
+                           first_token_waits=waits)  # fmt: skip
     async with requests.begin(True, Deadline()) as first, first.admitted(""):
         hand(first)
         waiting = requests.begin(True, Deadline())  # the next request, not yet at its first chunk
@@ -224,24 +204,20 @@ async def test_records_are_held_while_a_request_waits_for_its_first_token_and_ha
             first.took(step(1, finished=True))
             first.final_timings()
             first.chunk_written()
-            await asyncio.sleep(0)
-            # The first request's first token is held: another still waits for its own.
+            await asyncio.sleep(0.01)
+            # The first request's first token waits: another still waits for its own.
             assert recorder.calls == ["started"]
             hand(waiting)
             waiting.took(step(1))
             waiting.chunk_written()
-            assert requests.awaiting_first_chunk == 0
-            # Handed on once the loop has run what was ready, not at the hold's end (60 s).
-            assert recorder.calls == ["started", "started"]
-            await asyncio.sleep(0)
+            assert requests.first_token_waits.count == 0
+            # Handed on once the loop has looked again (every 2 ms), with none waiting.
+            await asyncio.sleep(0.01)
             assert recorder.calls == ["started", "started", "first_token", "first_token"]
             waiting.took(step(2, finished=True))
             waiting.final_timings()
             waiting.chunk_written()
-        await asyncio.sleep(0)
-        # An end with no request waiting is held (no first chunk settles), until the next quiet moment or a read.
-        assert recorder.calls.count("finished") == 0
-    recorder.hand_on()
+    await asyncio.sleep(0.01)
     assert recorder.calls == ["started", "started", "first_token", "first_token", "finished", "finished"]
     assert [record.timings.client_time_to_first_token_seconds is not None for record in recorder.first_tokens] == [
         True,
@@ -249,7 +225,20 @@ async def test_records_are_held_while_a_request_waits_for_its_first_token_and_ha
     ]
 
 
-@run
+async def test_a_reader_gets_what_waits_at_once() -> None:
+    recorder = Recorder()
+    pipeline = TelemetryPipeline(batch=1000)
+    group = ObserverGroup(batched=[recorder], pipeline=pipeline)
+    group.request_rejected("tiny", "overloaded")  # not a record: at once
+    assert recorder.rejected == ["overloaded"]
+    requests = RequestPath(group, Admission(1, 0), "tiny")
+    await cancel(requests, deadline_passed=False, steps=1)
+    assert recorder.calls == ["started"]
+    assert pipeline.held == 2
+    pipeline.hand_on()
+    assert recorder.calls == ["started", "first_token", "finished"]
+
+
 async def test_every_way_a_request_ends_stops_it_waiting_for_a_first_token() -> None:
     recorder = Recorder()
     requests = path(recorder, capacity=1)
@@ -260,7 +249,7 @@ async def test_every_way_a_request_ends_stops_it_waiting_for_a_first_token() -> 
         with pytest.raises(OverloadedError):
             async with requests.begin(True, Deadline()) as refused, refused.admitted(""):
                 pass
-        assert requests.awaiting_first_chunk == 1
+        assert requests.first_token_waits.count == 1
     await cancel(requests, deadline_passed=False, steps=1)
     await cancel(requests, deadline_passed=True, steps=0)
     async with requests.begin(False, Deadline()) as unary, unary.admitted(""):
@@ -268,5 +257,5 @@ async def test_every_way_a_request_ends_stops_it_waiting_for_a_first_token() -> 
         unary.took(step(1, finished=True))
         unary.final_timings()
         unary.chunk_written()
-        assert requests.awaiting_first_chunk == 0
-    assert requests.awaiting_first_chunk == 0
+        assert requests.first_token_waits.count == 0
+    assert requests.first_token_waits.count == 0

@@ -2,12 +2,13 @@ import math
 
 import pytest
 
-from phasescope.engine.request import ModelLimits, StructuredOutput
+from phasescope.engine.request import ModelLimits, SamplingSpec, StructuredOutput
 from phasescope.errors import InvalidRequestError
+from phasescope.serve import validation
+from phasescope.serve.inference import decode_generate
 from phasescope.serve.validation import (
     MAX_STOP_STRINGS,
     UndecodableRequest,
-    build_sampling,
     check_prompt_length,
     decode_generate_request,
     parse_generate_input,
@@ -21,6 +22,29 @@ LIMITS = ModelLimits(max_model_len=100, vocab_size=1000, max_chars_per_token=8)
 
 def sampling(**values: object) -> pb.SamplingParams:
     return pb.SamplingParams(**values)  # type: ignore[arg-type]
+
+
+def build_sampling(
+    message: pb.SamplingParams,
+    prompt_tokens: int,
+    limits: ModelLimits,
+    *,
+    token_ids_only: bool = False,
+    stream_interval: int = 0,
+) -> SamplingSpec:
+    """phasescope.v1's sampling message as the request path validates it (decoded, then built)."""
+    request = pb.GenerateRequest(
+        prompt="x", sampling=message, token_ids_only=token_ids_only, stream_interval=stream_interval
+    )
+    ask = decode_generate(request, limits)
+    return validation.build_sampling(
+        ask.sampling,
+        ask.sampling_prefix,
+        prompt_tokens,
+        limits,
+        detokenize=ask.detokenize,
+        stream_interval=ask.stream_interval,
+    )
 
 
 @pytest.mark.parametrize(

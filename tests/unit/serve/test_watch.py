@@ -6,84 +6,40 @@ import asyncio
 import itertools
 import time
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 
-from phasescope.client.client import AsyncClient, build_request
-from phasescope.serve.admission import Admission
-from phasescope.serve.app import LiveTelemetry
-from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor
-from phasescope.serve.lifecycle import RequestPath
-from phasescope.serve.watch import ServerFacts
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.live import RecentLatencies
-from phasescope.telemetry.request.observer import ObserverGroup
-from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
-from phasescope.telemetry.step.aggregator import StepAggregator
-from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import StepRecord
+from phasescope.client.client import build_request
+from phasescope.telemetry.step.records import StepRecord, StepReport
 from phasescope.v1 import inference_pb2 as pb
 from support.fake_engine import Script, ScriptedEngine
-
-MODEL = "scripted"
-PEAKS = HardwarePeaks("toy", 100e9, {"float32": 1e12, "fp32": 1e12}, "flag", "toy device")
+from support.served import MODEL, Served, served
 
 
-class Watched:
-    def __init__(self, client: AsyncClient, tracker: StepAggregator, servicer: InferenceServicer) -> None:
-        self.client = client
-        self.tracker = tracker
-        self.servicer = servicer
+def watched(engine: ScriptedEngine, max_watchers: int = 4) -> AbstractAsyncContextManager[Served]:
+    return served(engine, max_watchers=max_watchers, max_queued_requests=4, metrics_window_seconds=5.0)
 
 
-@asynccontextmanager
-async def serve(engine: ScriptedEngine, max_watchers: int = 4) -> AsyncIterator[Watched]:
-    registry = CollectorRegistry()
-    recent = RecentLatencies()
-    servicer = InferenceServicer(
-        RequestPath(ObserverGroup([PrometheusRequestObserver(registry, MODEL), recent]), Admission(4, 4), MODEL),
-        max_watchers=max_watchers,
-    )
-    description = engine.description
-    tracker = StepAggregator(description.cost, "float32", PEAKS, window_seconds=5.0)
-    StepMetrics(MODEL, tracker, registry)
-    servicer.attach_engine(engine, PEAKS)
-    servicer.attach_telemetry(
-        ServerFacts(MODEL, "toy device", "float32", PEAKS, time.monotonic()), LiveTelemetry(tracker, recent)
-    )
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))])
-    server.add_generic_rpc_handlers((inference_handler(servicer),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with AsyncClient(f"127.0.0.1:{port}", timeout_seconds=20) as client:
-            yield Watched(client, tracker, servicer)
-    finally:
-        await server.stop(grace=None)
-
-
-def test_snapshots_carry_the_engine_figures_and_a_request_moving_from_prefill_to_decode() -> None:
+async def test_snapshots_carry_the_engine_figures_and_a_request_moving_from_prefill_to_decode() -> None:
     # The first step (the prefill) takes 0.6 s, then a token every 0.1 s.
     engine = ScriptedEngine(lambda prompt: Script(tokens=list(range(100, 120)), step_seconds=0.1, queue_seconds=0.5))
 
     async def scenario() -> list[pb.TelemetrySnapshot]:
-        async with serve(engine) as watched:
-            watched.tracker.record(StepRecord(0, 0, 0, 1, 1, 0.05, flops=2e6, read_bytes=4e6))
-            stream = watched.client.generate_stream(build_request(prompt="hello", max_tokens=20, request_id="r-1"))
+        async with watched(engine) as s:
+            s.steps.record(StepReport(step=StepRecord(0, 0, 0, 1, 1, 0.05, flops=2e6, read_bytes=4e6)))
+            stream = s.client.generate_stream(build_request(prompt="hello", max_tokens=20, request_id="r-1"))
             consume = asyncio.create_task(_drain(stream))
             snapshots = []
-            async for snapshot in watched.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25)):
+            async for snapshot in s.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25)):
                 snapshots.append(snapshot)
                 if any(r.phase == "decode" for r in snapshot.requests) or len(snapshots) > 40:
                     break
             await consume
             return snapshots
 
-    snapshots = asyncio.run(scenario())
+    snapshots = await scenario()
     first, last = snapshots[0], snapshots[-1]
     assert first.model_name == MODEL
     assert (first.peaks.memory_bandwidth_bytes_per_second, first.peaks.flops_per_second) == (100e9, 1e12)
@@ -120,57 +76,57 @@ async def _drain(stream: AsyncIterator[pb.GenerateStreamResponse]) -> None:
         (pb.WatchTelemetryRequest(max_requests=1001), "max_requests"),
     ],
 )
-def test_options_out_of_range_are_refused_naming_the_field(options: pb.WatchTelemetryRequest, field: str) -> None:
+async def test_options_out_of_range_are_refused_naming_the_field(options: pb.WatchTelemetryRequest, field: str) -> None:
     async def scenario() -> grpc.aio.AioRpcError:
-        async with serve(ScriptedEngine()) as watched:
+        async with watched(ScriptedEngine()) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in watched.client.watch_telemetry(options):
+                async for _ in s.client.watch_telemetry(options):
                     pass
             return caught.value
 
-    error = asyncio.run(scenario())
+    error = await scenario()
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (error.details() or "").startswith(f"{field}:")
 
 
-def test_the_watcher_cap_is_enforced_and_a_closed_watcher_frees_its_place() -> None:
+async def test_the_watcher_cap_is_enforced_and_a_closed_watcher_frees_its_place() -> None:
     async def scenario() -> tuple[grpc.aio.AioRpcError, pb.TelemetrySnapshot]:
-        async with serve(ScriptedEngine(), max_watchers=1) as watched:
-            first = watched.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25))
+        async with watched(ScriptedEngine(), max_watchers=1) as s:
+            first = s.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25))
             await first.__anext__()
             with pytest.raises(grpc.aio.AioRpcError) as caught:
-                async for _ in watched.client.watch_telemetry():
+                async for _ in s.client.watch_telemetry():
                     pass
             await first.aclose()  # type: ignore[attr-defined]  # an async generator
             # The server notices the cancel at its next tick.
             deadline = time.monotonic() + 5
-            while watched.servicer.watchers:
+            while s.built.inference.watchers:
                 assert time.monotonic() < deadline, "the closed watcher was never released"
                 await asyncio.sleep(0.05)
-            again = watched.client.watch_telemetry(pb.WatchTelemetryRequest(omit_requests=True))
+            again = s.client.watch_telemetry(pb.WatchTelemetryRequest(omit_requests=True))
             snapshot = await again.__anext__()
             await again.aclose()  # type: ignore[attr-defined]
             return caught.value, snapshot
 
-    error, snapshot = asyncio.run(scenario())
+    error, snapshot = await scenario()
     assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "--max-watchers 1" in (error.details() or "")
     assert snapshot.model_name == MODEL
     assert not snapshot.requests
 
 
-def test_a_long_wait_skips_ticks_instead_of_queueing_snapshots() -> None:
+async def test_a_long_wait_skips_ticks_instead_of_queueing_snapshots() -> None:
     async def scenario() -> list[float]:
-        async with serve(ScriptedEngine()) as watched:
+        async with watched(ScriptedEngine()) as s:
             stamps = []
-            stream = watched.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25))
+            stream = s.client.watch_telemetry(pb.WatchTelemetryRequest(interval_seconds=0.25))
             async for snapshot in stream:
                 stamps.append(snapshot.time_unix_seconds)
                 if len(stamps) == 4:
                     break
             return stamps
 
-    stamps = asyncio.run(scenario())
+    stamps = await scenario()
     gaps = [b - a for a, b in itertools.pairwise(stamps)]
     # On the watcher's own grid: a quarter of a second apart, not as fast as the client reads.
     assert all(gap > 0.2 for gap in gaps)

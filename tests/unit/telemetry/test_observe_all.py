@@ -6,7 +6,7 @@ import random
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from phasescope.telemetry.held import observe_all
+from phasescope.telemetry.histograms import observe_all
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1)
 

@@ -161,7 +161,7 @@ def test_a_chunk_size_below_one_byte_is_refused() -> None:
         list(tokenizer_chunks(b"data", "digest", chunk_bytes=0))
 
 
-def test_bundle_builds_once_when_asked_concurrently(tmp_path: Path) -> None:
+async def test_bundle_builds_once_when_asked_concurrently(tmp_path: Path) -> None:
     builds: list[Path] = []
     released = threading.Event()
 
@@ -180,13 +180,13 @@ def test_bundle_builds_once_when_asked_concurrently(tmp_path: Path) -> None:
         answers = await asyncio.gather(*callers)
         return [*answers, await bundle.archive()]
 
-    answers = asyncio.run(scenario())
+    answers = await scenario()
 
     assert builds == [tmp_path]
     assert answers == [(b"archive", hashlib.sha256(b"archive").hexdigest())] * 6
 
 
-def test_bundle_build_survives_a_caller_that_goes_away(tmp_path: Path) -> None:
+async def test_bundle_build_survives_a_caller_that_goes_away(tmp_path: Path) -> None:
     builds: list[Path] = []
     released = threading.Event()
 
@@ -205,11 +205,11 @@ def test_bundle_build_survives_a_caller_that_goes_away(tmp_path: Path) -> None:
         released.set()
         return await stayer
 
-    assert asyncio.run(scenario())[0] == b"archive"
+    assert (await scenario())[0] == b"archive"
     assert builds == [tmp_path]
 
 
-def test_bundle_retries_after_a_failed_build(tmp_path: Path) -> None:
+async def test_bundle_retries_after_a_failed_build(tmp_path: Path) -> None:
     bundle = TokenizerBundle(tmp_path)
 
     async def scenario() -> tuple[bytes, str]:
@@ -218,7 +218,7 @@ def test_bundle_retries_after_a_failed_build(tmp_path: Path) -> None:
         (tmp_path / "tokenizer.json").write_bytes(b"{}")
         return await bundle.archive()
 
-    data, digest = asyncio.run(scenario())
+    data, digest = await scenario()
 
     assert digest == hashlib.sha256(data).hexdigest()
     with zipfile.ZipFile(io.BytesIO(data)) as archive:

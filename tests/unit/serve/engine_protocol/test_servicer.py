@@ -3,90 +3,23 @@ through the protocol's published stubs as the gateway drives a worker."""
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine
-from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from phasescope.engine.request import StructuredOutput
-from phasescope.serve.admission import Admission
-from phasescope.serve.app import LiveTelemetry
-from phasescope.serve.engine_protocol.servicer import SERVICE_NAME, VllmEngineServicer, engine_protocol_handler
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor
-from phasescope.serve.lifecycle import RequestPath
+from phasescope.serve.engine_protocol.servicer import SERVICE_NAME
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
 from phasescope.serve.watch import request_snapshot
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.live import RecentLatencies
-from phasescope.telemetry.request.observer import ObserverGroup
-from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
-from phasescope.telemetry.step.aggregator import StepAggregator
-from phasescope.telemetry.step.records import StepRecord
+from phasescope.telemetry.step.records import SchedulerState, StepRecord, StepReport
 from phasescope.v1 import inference_pb2 as v1
 from support.fake_engine import Script, ScriptedEngine
-
-MODEL = "scripted"
-PEAKS = HardwarePeaks("toy", 100e9, {"fp32": 1e12}, "flag", "toy")
-
-
-class Served:
-    def __init__(self, engine: ScriptedEngine, path: RequestPath, steps: StepAggregator) -> None:
-        self.engine = engine
-        self.path = path
-        self.steps = steps
-        self.registry = CollectorRegistry()
-        self.stub: Any = None
-        self.channel: Any = None
-
-    def value(self, name: str, **labels: str) -> float:
-        return self.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
-
-
-@asynccontextmanager
-async def serve(engine: ScriptedEngine, *, max_running: int = 4) -> AsyncIterator[Served]:
-    steps = StepAggregator(engine.description.cost, "float32", PEAKS)
-    served = Served(engine, RequestPath(ObserverGroup([]), Admission(max_running, 0), MODEL), steps)
-    recent = RecentLatencies()
-    served.path.observer = ObserverGroup([PrometheusRequestObserver(served.registry, MODEL), recent])
-    served.path.engine = engine
-    served.path.interference = steps.read_interference
-    servicer = VllmEngineServicer(served.path)
-    servicer.attach_telemetry(LiveTelemetry(steps, recent))
-    server = grpc.aio.server(interceptors=[ExceptionToStatusInterceptor((SERVICE_NAME,))])
-    server.add_generic_rpc_handlers((engine_protocol_handler(servicer),))
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    try:
-        async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
-            served.channel = channel
-            served.stub = pb_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
-            yield served
-    finally:
-        await server.stop(grace=None)
-
-
-def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    def test() -> None:
-        asyncio.run(scenario())
-
-    test.__name__ = scenario.__name__
-    return test
-
-
-async def eventually(condition: Callable[[], bool], within_seconds: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + within_seconds
-    while not condition():
-        assert asyncio.get_running_loop().time() < deadline, "condition never held"
-        await asyncio.sleep(0.01)
+from support.served import eventually, served
 
 
 def generate(request_id: str = "req-1", ids: tuple[int, ...] = (5, 6, 7), stream: bool = True, **sampling: Any) -> Any:
@@ -98,10 +31,9 @@ def generate(request_id: str = "req-1", ids: tuple[int, ...] = (5, 6, 7), stream
     )
 
 
-@run
 async def test_a_stream_sends_each_steps_ids_then_the_complete_with_timings_in_trailing_metadata() -> None:
     engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13], finish_reason="stop", stop_reason=2))
-    async with serve(engine) as s:
+    async with served(engine) as s:
         call = s.stub.Generate(generate(max_tokens=8))
         responses = [response async for response in call]
         trailing = dict(await call.trailing_metadata())
@@ -122,10 +54,9 @@ async def test_a_stream_sends_each_steps_ids_then_the_complete_with_timings_in_t
         assert s.value("phasescope_tokens_total", phase="prefill") == 3
 
 
-@run
 async def test_a_unary_generate_sends_one_complete_with_every_id() -> None:
     engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13], finish_reason="stop", stop_reason="\n\n"))
-    async with serve(engine) as s:
+    async with served(engine) as s:
         responses = [response async for response in s.stub.Generate(generate(stream=False, max_tokens=8))]
         assert [r.WhichOneof("response") for r in responses] == ["complete"]
         complete = responses[0].complete
@@ -133,17 +64,17 @@ async def test_a_unary_generate_sends_one_complete_with_every_id() -> None:
         assert complete.matched_stop_str == "\n\n"
 
 
-@run
 async def test_max_tokens_ends_the_stream_with_length() -> None:
-    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3, 4]))) as s:
+    async with served(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3, 4]))) as s:
         responses = [response async for response in s.stub.Generate(generate(max_tokens=2))]
         assert responses[-1].complete.finish_reason == "length"
         assert sum(len(r.chunk.token_ids) for r in responses if r.HasField("chunk")) == 2
 
 
-@run
 async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> None:
-    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1)), max_running=1) as s:
+    async with served(
+        ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1)), max_concurrent_requests=1
+    ) as s:
         call = s.stub.Generate(generate("to-abort", max_tokens=8))
         first = await call.read()
         assert list(first.chunk.token_ids) == [1]
@@ -154,7 +85,7 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
             rest.append(response)
         assert rest[-1].complete.finish_reason == "abort"
         assert await call.code() is grpc.StatusCode.OK
-        await eventually(lambda: bool(s.engine.aborted) and s.path.admission.in_flight == 0)
+        await eventually(lambda: bool(s.engine.aborted) and s.built.path.admission.in_flight == 0)
         assert s.value("phasescope_requests_total", code="OK", finish_reason="abort") == 1
         # The only slot is free: the next request runs.
         s.engine._script_for = lambda prompt: Script(tokens=[9])
@@ -162,10 +93,9 @@ async def test_abort_by_request_id_frees_the_engine_request_and_its_slot() -> No
         assert responses[-1].complete.output_ids == [9]
 
 
-@run
 async def test_n_samples_stream_indexed_chunks_and_a_complete_per_sample_as_vllms_servicer_does() -> None:
     engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12], finish_reason="stop"))
-    async with serve(engine) as s:
+    async with served(engine) as s:
         call = s.stub.Generate(generate(max_tokens=8, n=2, temperature=0.8))
         streamed = [response async for response in call]
         trailing = dict(await call.trailing_metadata())
@@ -190,10 +120,9 @@ async def test_n_samples_stream_indexed_chunks_and_a_complete_per_sample_as_vllm
     assert s.value("phasescope_tokens_total", phase="decode") == 8
 
 
-@run
 async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> None:
     engine = ScriptedEngine(lambda prompt: Script(tokens=[11, 12, 13]))
-    async with serve(engine) as s:
+    async with served(engine) as s:
         streamed = [r async for r in s.stub.Generate(generate("s", max_tokens=8, logprobs=2))]
         chunks = [r.chunk for r in streamed if r.HasField("chunk")]
         for chunk in chunks:
@@ -210,28 +139,25 @@ async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> Non
         assert not plain[-1].complete.HasField("input_logprobs")
 
 
-@run
 async def test_max_tokens_beyond_the_room_left_reaches_the_engine_as_vllms_worker_passes_it() -> None:
     # Guards issue 46: gateways send max_tokens at the context's size; vLLM's worker lets the engine stop at the
     # context's end (finish reason "length") where phasescope used to refuse it.
-    async with serve(ScriptedEngine()) as s:  # a 256-token context
+    async with served(ScriptedEngine()) as s:  # a 256-token context
         (response,) = [r async for r in s.stub.Generate(generate("long", max_tokens=10_000, stream=False))]
         assert response.HasField("complete")
         (sampling,) = s.engine.sampling.values()
         assert sampling.max_tokens == 10_000
 
 
-@run
 async def test_a_truncated_prompt_reaches_the_engine_as_its_last_tokens() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         request = generate("t", ids=(5, 6, 7, 8), max_tokens=2, truncate_prompt_tokens=2, stream=False)
         (response,) = [r async for r in s.stub.Generate(request)]
         assert response.complete.prompt_tokens == 2
 
 
-@run
 async def test_prompt_log_probabilities_ride_the_first_chunk_or_the_unary_complete() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         streamed = [r async for r in s.stub.Generate(generate("s", ids=(5, 6, 7), max_tokens=8, prompt_logprobs=1))]
         first, *rest = [r.chunk for r in streamed if r.HasField("chunk")]
         # As vLLM's servicer writes them: the first prompt token has no value (nothing precedes it).
@@ -243,9 +169,8 @@ async def test_prompt_log_probabilities_ride_the_first_chunk_or_the_unary_comple
         assert list(unary.complete.input_logprobs.token_ids) == [5, 6]
 
 
-@run
 async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_asked() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         asks = {
             "schema": generate("schema", json_schema='{"type": "object"}', min_tokens=2, logit_bias={3: -100.0}),
             "choice": generate("choice", choice=pb.ChoiceConstraint(choices=["yes", "no"])),
@@ -309,9 +234,9 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
     ],
     ids=lambda value: value if isinstance(value, str) else "",
 )
-def test_what_the_worker_cannot_serve_is_invalid_argument_naming_the_field(request_: Any, field: str) -> None:
+async def test_what_the_worker_cannot_serve_is_invalid_argument_naming_the_field(request_: Any, field: str) -> None:
     async def scenario() -> None:
-        async with serve(ScriptedEngine()) as s:
+        async with served(ScriptedEngine()) as s:
             with pytest.raises(grpc.aio.AioRpcError) as caught:
                 async for _ in s.stub.Generate(request_):
                     pass
@@ -323,12 +248,11 @@ def test_what_the_worker_cannot_serve_is_invalid_argument_naming_the_field(reque
             responses = [response async for response in s.stub.Generate(generate(max_tokens=1))]
             assert responses[-1].HasField("complete")
 
-    asyncio.run(scenario())
+    await scenario()
 
 
-@run
 async def test_a_request_with_both_inputs_or_unreadable_bytes_is_invalid_argument() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         both = generate().SerializeToString() + pb.GenerateRequest(text="also text").SerializeToString()
         # The bytes as they are, past the stub's serializer.
         raw = s.channel.unary_stream(
@@ -344,9 +268,8 @@ async def test_a_request_with_both_inputs_or_unreadable_bytes_is_invalid_argumen
             assert (caught.value.details() or "").startswith(f"{field}: ")
 
 
-@run
 async def test_the_management_rpcs_answer_as_a_gateway_expects() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         health = await s.stub.HealthCheck(pb.HealthCheckRequest())
         assert health.healthy
         info = await s.stub.GetModelInfo(pb.GetModelInfoRequest())
@@ -376,12 +299,15 @@ async def test_the_management_rpcs_answer_as_a_gateway_expects() -> None:
         assert (health.healthy, health.message) == (False, "the engine is dead; the server must be restarted")
 
 
-@run
 async def test_get_loads_reports_the_engines_own_figures_and_the_queued_prompt_work() -> None:
     script = Script(tokens=[1, 2], hang_after=0)
-    async with serve(ScriptedEngine(lambda prompt: script)) as s:
-        s.steps.record_queue(0, running=3, waiting=2, kv_cache_usage=0.25)
-        s.steps.record(StepRecord(0, 0, 0, 3, 3, 0.05, flops=1e9, read_bytes=5e9))
+    async with served(ScriptedEngine(lambda prompt: script)) as s:
+        s.steps.record(
+            StepReport(
+                scheduler=SchedulerState(0, running=3, waiting=2, kv_cache_usage=0.25),
+                step=StepRecord(0, 0, 0, 3, 3, 0.05, flops=1e9, read_bytes=5e9),
+            )
+        )
         # A request handed to the engine that has no first token yet: its 4 prompt tokens are queued work.
         call = s.stub.Generate(generate("waiting", ids=(1, 2, 3, 4), max_tokens=2))
         await eventually(lambda: bool(s.engine.started))
@@ -396,9 +322,8 @@ async def test_get_loads_reports_the_engines_own_figures_and_the_queued_prompt_w
         call.cancel()
 
 
-@run
 async def test_the_tokenizer_streams_as_a_zip_with_its_digest_and_a_folder_without_one_is_unimplemented() -> None:
-    async with serve(ScriptedEngine()) as s:
+    async with served(ScriptedEngine()) as s:
         with pytest.raises(grpc.aio.AioRpcError) as caught:
             async for _ in s.stub.GetTokenizer(common_pb2.GetTokenizerRequest()):
                 pass
@@ -406,27 +331,26 @@ async def test_the_tokenizer_streams_as_a_zip_with_its_digest_and_a_folder_witho
         assert "GetTokenizer: " in (caught.value.details() or "")
 
 
-def test_the_tokenizer_of_a_model_folder_streams_with_its_digest(tmp_path: Path) -> None:
+async def test_the_tokenizer_of_a_model_folder_streams_with_its_digest(tmp_path: Path) -> None:
     (tmp_path / "tokenizer.json").write_text('{"version": "1.0"}')
     (tmp_path / "model.safetensors").write_bytes(b"weights")
 
     async def scenario() -> None:
-        async with serve(ScriptedEngine(model_path=str(tmp_path))) as s:
+        async with served(ScriptedEngine(model_path=str(tmp_path))) as s:
             chunks = [chunk async for chunk in s.stub.GetTokenizer(common_pb2.GetTokenizerRequest())]
             assert chunks
             assert chunks[-1].sha256
             assert all(not chunk.sha256 for chunk in chunks[:-1])
 
-    asyncio.run(scenario())
+    await scenario()
 
 
-@run
 async def test_a_request_of_this_protocol_is_listed_in_flight_for_watchers_and_top() -> None:
-    async with serve(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1))) as s:
+    async with served(ScriptedEngine(lambda prompt: Script(tokens=[1, 2, 3], hang_after=1))) as s:
         call = s.stub.Generate(generate("gw-7", max_tokens=8))
         await call.read()
-        (request,) = s.path.in_flight
+        (request,) = s.built.path.in_flight
         snapshot = request_snapshot(request, time.monotonic())
         assert (snapshot.request_id, snapshot.phase, snapshot.prompt_tokens) == ("gw-7", "decode", 3)
         call.cancel()
-        await eventually(lambda: not s.path.in_flight)
+        await eventually(lambda: not s.built.path.in_flight)

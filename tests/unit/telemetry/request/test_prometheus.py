@@ -206,25 +206,6 @@ def test_a_failing_observer_does_not_stop_the_others_and_is_counted(registry: Co
     assert sample("phasescope_telemetry_errors_total", {"model": MODEL, "component": "observer"}) == 5
 
 
-def test_observers_that_keep_no_token_count_are_not_called_per_chunk(registry: CollectorRegistry) -> None:
-    calls: list[str] = []
-
-    class Spans:
-        counts_tokens = False
-
-        def tokens_generated(self, model: str, count: int) -> None:
-            calls.append("tokens")
-
-        def request_started(self, model: str) -> None:
-            calls.append("started")
-
-    group = ObserverGroup([Spans(), PrometheusRequestObserver(registry)])  # type: ignore[list-item]
-    group.request_started(MODEL)
-    group.tokens_generated(MODEL, 3)
-    assert calls == ["started"]
-    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 3
-
-
 def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(registry: CollectorRegistry) -> None:
     from prometheus_client import generate_latest
 

@@ -9,7 +9,7 @@ from phasescope.telemetry.model.cost import model_cost_from_config
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost, attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import EngineIteration, StepForwarder, StepRecord, StepReport
+from phasescope.telemetry.step.records import EngineIteration, SchedulerState, StepForwarder, StepRecord, StepReport
 from phasescope.telemetry.step.window import overlap_fraction, wait_reason
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
@@ -129,7 +129,7 @@ def test_window_reports_decode_saturation_then_idle_without_phantom_phases() -> 
     clock.now += 10
     # 100 decode steps of batch 4 in 10 s, each read 5e8 bytes and did 4e8 FLOPs (the engine's estimate).
     for _ in range(100):
-        roofline.record(decode_step(4, flops=4e8, read_bytes=5e8))
+        roofline.record(StepReport(step=decode_step(4, flops=4e8, read_bytes=5e8)))
     assert gauge(registry, "phasescope_tokens_per_second", "decode") == pytest.approx(40.0)
     # 100 × 5e8 bytes / 10 s = 5e9 B/s of 100e9 B/s.
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode") == pytest.approx(0.05)
@@ -168,8 +168,8 @@ def test_device_figures_hold_every_phase_and_each_phase_its_part() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry)
     clock.now += 10
-    roofline.record(StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_912))
-    roofline.record(decode_step(64, kv_tokens=6_464))
+    roofline.record(StepReport(step=StepRecord(0, 1, 512, 64, 64, 0.4, kv_cache_tokens=6_912)))
+    roofline.record(StepReport(step=decode_step(64, kv_tokens=6_464)))
     total = device(registry, "phasescope_device_memory_bandwidth_utilization_ratio") or 0.0
     parts = [
         gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", phase) or 0.0
@@ -189,7 +189,7 @@ def test_a_step_longer_than_the_window_counts_only_its_part_inside() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry)
     clock.now += 30
-    roofline.record(StepRecord(0, 1, 4000, 0, 0, 20.0, flops=2e13, read_bytes=1e9, written_bytes=0.0))
+    roofline.record(StepReport(step=StepRecord(0, 1, 4000, 0, 0, 20.0, flops=2e13, read_bytes=1e9, written_bytes=0.0)))
     # Half the step's FLOPs in the window: 1e13 / 10 s of 1e12 FLOP/s.
     assert device(registry, "phasescope_device_compute_utilization_ratio") == pytest.approx(1.0)
     assert device(registry, "phasescope_engine_busy_ratio") == pytest.approx(1.0)
@@ -199,7 +199,7 @@ def test_a_step_longer_than_the_window_counts_only_its_part_inside() -> None:
 def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry)
-    roofline.record(StepRecord(0, 0, 0, 2, 2, 0.01, kv_cache_tokens=100))
+    roofline.record(StepReport(step=StepRecord(0, 0, 0, 2, 2, 0.01, kv_cache_tokens=100)))
     # 2 tokens × 2 × 1e6 parameters + attention over their 100 context tokens (4 × 2 layers × 64 width × 100);
     # weights 4e6 bytes + 100 tokens × 512 bytes of KV; 2 new KV entries written.
     assert gauge(registry, "phasescope_model_flops_total", "decode") == pytest.approx(4e6 + 4 * 2 * 64 * 100)
@@ -208,7 +208,7 @@ def test_cost_model_fills_in_without_engine_estimates_and_is_cross_checked() -> 
     assert (
         registry.get_sample_value("phasescope_cost_model_agreement_ratio", {"model": "m", "quantity": "flops"}) is None
     )
-    roofline.record(decode_step(2, flops=2e6, read_bytes=4.0512e6))
+    roofline.record(StepReport(step=decode_step(2, flops=2e6, read_bytes=4.0512e6)))
     assert registry.get_sample_value(
         "phasescope_cost_model_agreement_ratio", {"model": "m", "quantity": "flops"}
     ) == pytest.approx(2.0)
@@ -219,7 +219,7 @@ def test_engines_on_one_cpu_share_its_peaks() -> None:
     roofline = metrics(clock, registry, engines=2, shared=True)
     clock.now += 10
     for engine in (0, 1):
-        roofline.record(decode_step(1, engine=engine, flops=1e9, read_bytes=1e10))
+        roofline.record(StepReport(step=decode_step(1, engine=engine, flops=1e9, read_bytes=1e10)))
     # Each engine: 1e10 bytes / 10 s against half of 100 GB/s.
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode", "0") == pytest.approx(0.02)
     assert gauge(registry, "phasescope_memory_bandwidth_utilization_ratio", "decode", "1") == pytest.approx(0.02)
@@ -244,7 +244,7 @@ def test_peaks_and_their_source_are_exported() -> None:
 def test_engine_inter_token_latencies_and_preemptions_are_recorded() -> None:
     registry = CollectorRegistry()
     roofline = metrics(FakeClock(), registry)
-    roofline.record_iteration(EngineIteration(0, (0.0004, 0.0006, 0.5), preemptions=2))
+    roofline.record(StepReport(iteration=EngineIteration(0, (0.0004, 0.0006, 0.5), preemptions=2)))
     itl = {"model": "m"}
     assert registry.get_sample_value("phasescope_inter_token_latency_seconds_count", itl) == 3
     # Sub-millisecond gaps land in their own buckets (a small model's decode on a GPU).
@@ -253,75 +253,25 @@ def test_engine_inter_token_latencies_and_preemptions_are_recorded() -> None:
 
 
 def test_forwarder_drops_reports_until_a_sink_is_attached() -> None:
-    seen: list[StepRecord] = []
+    seen: list[StepReport] = []
     forward = StepForwarder()
-    forward(decode_step(1))
+    forward.report(StepReport(step=decode_step(1)))
     forward.sink = seen.append
-    forward(decode_step(2))
-    assert [step.decode_requests for step in seen] == [2]
-
-
-def test_a_stats_update_goes_whole_to_the_report_sink_else_part_by_part() -> None:
-    seen: list[object] = []
-    forward = StepForwarder()
-    forward.iteration_sink = seen.append
-    forward.queue_sink = lambda *queue: seen.append(queue)
-    forward.sink = seen.append
-    iteration, queue, step = EngineIteration(0, (0.01,), 0), (0, 2, 1, 0.5, 0, "slot"), decode_step(2)
-    forward.report(iteration, queue, step)
-    forward.report(None, queue, None)
-    assert seen == [iteration, queue, step, queue]
-    whole: list[tuple[object, ...]] = []
-    forward.report_sink = lambda *report: whole.append(report)
-    forward.report(iteration, queue, step)
-    assert whole == [(iteration, queue, step)]
-    assert len(seen) == 4
-
-
-def test_a_stats_update_to_build_later_goes_to_the_held_sink_else_is_built_and_reported_now() -> None:
-    iteration, queue, step = EngineIteration(0, (0.01,), 0), (0, 2, 1, 0.5, 0, "slot"), decode_step(2)
-
-    def build(engine: int) -> StepReport:
-        return iteration, queue, step
-
-    whole: list[tuple[object, ...]] = []
-    forward = StepForwarder()
-    forward.report_sink = lambda *report: whole.append(report)
-    forward.report_held(build, (0,), (0, 2, False, 0.05))
-    assert whole == [(iteration, queue, step)]
-    held: list[tuple[object, ...]] = []
-    forward.held_sink = lambda *update: held.append(update)
-    forward.report_held(build, (0,), None)
-    assert held == [(build, (0,), None)]
-    assert len(whole) == 1
-
-
-def test_a_report_that_cannot_be_built_is_contained_and_counted() -> None:
-    registry = CollectorRegistry()
-    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
-    forward.report_sink = lambda *report: None
-
-    def broken() -> StepReport:
-        raise KeyError("a field vLLM renamed")
-
-    forward.report_held(broken, (), None)
-    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 1
+    forward.report(StepReport(step=decode_step(2)))
+    assert [report.step.decode_requests for report in seen if report.step is not None] == [2]
 
 
 def test_a_failing_sink_is_contained_and_counted() -> None:
     registry = CollectorRegistry()
     forward = StepForwarder(on_error=TelemetryErrors("m", registry))
 
-    def broken(*args: object) -> None:
+    def broken(report: StepReport) -> None:
         raise ZeroDivisionError("broken sink")
 
     forward.sink = broken
-    forward.queue_sink = broken
-    forward.iteration_sink = broken
-    forward(decode_step(1))
-    forward.queue(0, 1, 0, 0.1)
-    forward.iteration(EngineIteration(0, (), 0))
-    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 3
+    forward.report(StepReport(step=decode_step(1)))
+    forward.report(StepReport(scheduler=SchedulerState(0, 1, 0, 0.1)))
+    assert registry.get_sample_value("phasescope_telemetry_errors_total", {"model": "m", "component": "step"}) == 2
 
 
 def test_queue_depth_is_exported_per_engine() -> None:
@@ -329,7 +279,7 @@ def test_queue_depth_is_exported_per_engine() -> None:
     roofline = metrics(FakeClock(), registry, engines=2)
     waiting = {"model": "m", "engine": "1", "state": "waiting"}
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 0
-    roofline.record_queue(1, running=3, waiting=7, kv_cache_usage=0.25, deferred=2)
+    roofline.record(StepReport(scheduler=SchedulerState(1, running=3, waiting=7, kv_cache_usage=0.25, deferred=2)))
     assert registry.get_sample_value("phasescope_engine_requests", waiting) == 7
     assert registry.get_sample_value("phasescope_engine_requests", {**waiting, "state": "running"}) == 3
     # Held back until their grammar is compiled: apart from those waiting for a slot.
@@ -354,7 +304,7 @@ def test_decode_at_half_its_roof_reads_host_bound_and_near_it_memory_bound() -> 
     clock.now += 10
     # 50 ms steps that read 2.6 GB at 100 GB/s (26 ms at the roof): 52 % of the roof reached.
     for _ in range(20):
-        roofline.record(decode_step(1, flops=2e6, read_bytes=2.6e9, elapsed=0.05))
+        roofline.record(StepReport(step=decode_step(1, flops=2e6, read_bytes=2.6e9, elapsed=0.05)))
     assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.48)
     assert verdicts(registry, "decode") == {"memory": 0, "compute": 0, "host": 1, "queue": 0, "idle": 0, "capacity": 0}
     # No step carried prefill: idle, and no overhead figure for it.
@@ -363,7 +313,7 @@ def test_decode_at_half_its_roof_reads_host_bound_and_near_it_memory_bound() -> 
     # Steps that read 4.5 GB in the same 50 ms run at 90 % of the roof: memory-bound.
     clock.now += 20
     for _ in range(20):
-        roofline.record(decode_step(1, flops=2e6, read_bytes=4.5e9, elapsed=0.05))
+        roofline.record(StepReport(step=decode_step(1, flops=2e6, read_bytes=4.5e9, elapsed=0.05)))
     assert verdicts(registry, "decode")["memory"] == 1
     assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.1)
 
@@ -373,7 +323,7 @@ def test_requests_waiting_for_a_slot_make_prefill_queue_bound_and_use_up_headroo
     roofline = metrics(clock, registry)
     # One running, three waiting, for two seconds: 75 % of request time queued.
     for _ in range(3):
-        roofline.record_queue(0, running=1, waiting=3, kv_cache_usage=0.2)
+        roofline.record(StepReport(scheduler=SchedulerState(0, running=1, waiting=3, kv_cache_usage=0.2)))
         clock.now += 1
     assert device(registry, "phasescope_queue_wait_ratio") == pytest.approx(0.75)
     assert verdicts(registry, "prefill")["queue"] == 1
@@ -392,7 +342,9 @@ def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_
     # Two running of eight slots, three waiting for blocks, the cache 96 % full, for two seconds: 60 % of
     # request time waiting for blocks, not for a slot.
     for _ in range(3):
-        roofline.record_queue(0, running=2, waiting=3, kv_cache_usage=0.96, reason="kv_cache")
+        roofline.record(
+            StepReport(scheduler=SchedulerState(0, running=2, waiting=3, kv_cache_usage=0.96, reason="kv_cache"))
+        )
         clock.now += 1
     assert reason_share(registry, "kv_cache") == pytest.approx(0.6)
     assert reason_share(registry, "slot") == 0.0
@@ -407,7 +359,7 @@ def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_
     assert device(registry, "phasescope_kv_cache_tokens") == 3932
     assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(2 / 0.96)
     # Once nothing runs, the window still remembers what the sequences used.
-    roofline.record_queue(0, running=0, waiting=0, kv_cache_usage=0.0)
+    roofline.record(StepReport(scheduler=SchedulerState(0, running=0, waiting=0, kv_cache_usage=0.0)))
     assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(2 / 0.96)
 
 
@@ -424,7 +376,9 @@ def test_requests_waiting_with_every_slot_taken_wait_for_a_slot_whatever_the_cac
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
     for _ in range(3):
-        roofline.record_queue(0, running=8, waiting=8, kv_cache_usage=0.95, reason="slot")
+        roofline.record(
+            StepReport(scheduler=SchedulerState(0, running=8, waiting=8, kv_cache_usage=0.95, reason="slot"))
+        )
         clock.now += 1
     assert reason_share(registry, "slot") == pytest.approx(0.5)
     assert reason_share(registry, "kv_cache") == 0.0
@@ -435,17 +389,23 @@ def test_requests_waiting_with_every_slot_taken_wait_for_a_slot_whatever_the_cac
 def test_a_preemption_makes_both_phases_capacity_bound_for_the_window() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
     roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
-    roofline.record_queue(0, running=4, waiting=0, kv_cache_usage=0.5)
+    roofline.record(StepReport(scheduler=SchedulerState(0, running=4, waiting=0, kv_cache_usage=0.5)))
     clock.now += 1
-    roofline.record_iteration(EngineIteration(0, (), preemptions=1))
-    roofline.record_queue(0, running=3, waiting=1, kv_cache_usage=0.7, reason=wait_reason(3, 8, 3, 2048, True))
+    roofline.record(StepReport(iteration=EngineIteration(0, (), preemptions=1)))
+    roofline.record(
+        StepReport(
+            scheduler=SchedulerState(
+                0, running=3, waiting=1, kv_cache_usage=0.7, reason=wait_reason(3, 8, 3, 2048, True)
+            )
+        )
+    )
     assert device(registry, "phasescope_preemptions_in_window") == 1
     assert verdicts(registry, "decode")["capacity"] == 1
     # The waiting request of that sample waited for blocks: its sequence was preempted for them.
     assert reason_share(registry, "kv_cache") == pytest.approx(1 / 4)
     # Past the window, nothing says capacity any more.
     clock.now += 11
-    roofline.record_queue(0, running=3, waiting=0, kv_cache_usage=0.7)
+    roofline.record(StepReport(scheduler=SchedulerState(0, running=3, waiting=0, kv_cache_usage=0.7)))
     assert device(registry, "phasescope_preemptions_in_window") == 0
     assert verdicts(registry, "decode")["capacity"] == 0
 
@@ -455,8 +415,8 @@ def test_headroom_names_the_nearest_limit() -> None:
     roofline = metrics(clock, registry)
     clock.now += 10
     # 6e11 bytes over 10 s against 100 GB/s: saturation 0.6 of the 0.8 limit leaves 0.25; KV 0.3 of 0.9 leaves 0.67.
-    roofline.record_queue(0, running=1, waiting=0, kv_cache_usage=0.3)
-    roofline.record(decode_step(1, flops=1e6, read_bytes=6e11, elapsed=5.0))
+    roofline.record(StepReport(scheduler=SchedulerState(0, running=1, waiting=0, kv_cache_usage=0.3)))
+    roofline.record(StepReport(step=decode_step(1, flops=1e6, read_bytes=6e11, elapsed=5.0)))
     labels = {"model": "m", "engine": "0", "limit": "bandwidth"}
     assert registry.get_sample_value("phasescope_headroom_ratio", labels) == pytest.approx(0.25)
 
@@ -467,7 +427,7 @@ def test_cost_per_million_tokens_and_idle_cost_when_priced() -> None:
     clock.now += 10
     # Only decode ran: it carries the window's whole $0.01 over its 100 tokens = $100 per million.
     for _ in range(100):
-        roofline.record(decode_step(1, flops=1e9, read_bytes=1e6, elapsed=0.01))
+        roofline.record(StepReport(step=decode_step(1, flops=1e9, read_bytes=1e6, elapsed=0.01)))
     assert gauge(registry, "phasescope_cost_per_million_tokens", "decode") == pytest.approx(100.0)
     assert gauge(registry, "phasescope_cost_per_million_tokens", "prefill") is None
     # 1e11 FLOPs over 10 s against 1 TFLOP/s: MFU 1 %, so 99 % of $3.60 an hour pays for idle compute.
@@ -476,7 +436,7 @@ def test_cost_per_million_tokens_and_idle_cost_when_priced() -> None:
 
 def test_without_a_price_there_are_no_cost_series() -> None:
     clock, registry = FakeClock(), CollectorRegistry()
-    metrics(clock, registry).record(decode_step(1))
+    metrics(clock, registry).record(StepReport(step=decode_step(1)))
     assert device(registry, "phasescope_idle_cost_per_hour") is None
 
 
@@ -513,8 +473,8 @@ def test_the_aggregator_advances_its_ledger_whatever_its_sinks() -> None:
     # Guards the defect of per-request interference living in the Prometheus sink: without a sink,
     # a request still reads its interference.
     aggregator = StepAggregator(COST, "float32", PEAKS, window_seconds=10.0, clock=FakeClock())
-    aggregator.record(decode_step(2, elapsed=0.05))
-    aggregator.record(StepRecord(0, 1, 100, 2, 2, 0.08))
+    aggregator.record(StepReport(step=decode_step(2, elapsed=0.05)))
+    aggregator.record(StepReport(step=StepRecord(0, 1, 100, 2, 2, 0.08)))
     assert aggregator.read_interference(0).stalled_seconds == pytest.approx(0.08)
     assert aggregator.read_interference(0).extra_seconds == pytest.approx(0.03)
 
@@ -526,11 +486,13 @@ def test_every_sink_hears_each_report_with_the_attribution_made_once() -> None:
         def step(self, step: StepRecord, cost: StepCost) -> None:
             heard.append(f"step {cost.shares['decode'].tokens}")
 
-        def queue(self, engine: int, running: int, waiting: int, kv_cache_usage: float, deferred: int = 0) -> None:
-            heard.append(f"queue {running}/{waiting}")
+        def queue(self, state: SchedulerState) -> None:
+            heard.append(f"queue {state.running}/{state.waiting}")
 
     aggregator = StepAggregator(COST, "float32", PEAKS, sinks=(Listening(),), clock=FakeClock())
-    aggregator.record(decode_step(3))
-    aggregator.record_queue(0, running=3, waiting=1, kv_cache_usage=0.1)
-    aggregator.record_iteration(EngineIteration(0, (0.01,), 0))  # a sink that ignores iterations needs no method
+    aggregator.record(StepReport(step=decode_step(3)))
+    aggregator.record(StepReport(scheduler=SchedulerState(0, running=3, waiting=1, kv_cache_usage=0.1)))
+    aggregator.record(
+        StepReport(iteration=EngineIteration(0, (0.01,), 0))
+    )  # a sink that ignores iterations needs no method
     assert heard == ["step 3", "queue 3/1"]

@@ -1,0 +1,227 @@
+"""The composition root: every part of a server, wired in one place (nothing listens, no engine starts).
+
+`build_server(settings)` makes what does not depend on the engine (the telemetry pipeline, the observers,
+the request path, both protocols' handlers, health, reflection, the interceptors, the gRPC server, not yet
+started); `Built.attach_engine(engine, peaks)` wires what does (the step aggregator and its series, the
+live views, the engine itself). `phasescope.serve.app.Server` starts, serves and stops what this built;
+tests build their servers here too, so they exercise what production wires.
+
+    telemetry pipeline ◀── held records ── ObserverGroup ◀── RequestPath ◀── InferenceServicer
+          ▲   ▲                                   │                   ◀── VllmEngineServicer
+          │   └── step reports ── StepAggregator ◀┴ StepForwarder ◀── the engine's stat logger
+          └────── vLLM's own series (its Prometheus logger)
+    a scrape, the live view, GetLoads: hand on what the pipeline holds, then read
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+from prometheus_client import REGISTRY, CollectorRegistry
+
+from phasescope.engine.base import Engine
+from phasescope.environment import env_auth_tokens
+from phasescope.serve.admission import Admission
+from phasescope.serve.auth import BearerTokenInterceptor, caller_identity, load_tokens
+from phasescope.serve.config import Settings
+from phasescope.serve.engine_protocol.servicer import SERVICE_NAME as ENGINE_PROTOCOL_SERVICE
+from phasescope.serve.engine_protocol.servicer import VllmEngineServicer, engine_protocol_handler
+from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
+from phasescope.serve.interceptors import ExceptionToStatusInterceptor
+from phasescope.serve.path import RequestPath
+from phasescope.serve.peaks import engine_cost_per_hour
+from phasescope.serve.tracing_setup import Tracing, build_tracing
+from phasescope.serve.watch import ServerFacts
+from phasescope.telemetry.errors import TelemetryErrors
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.live import LatencyFigures, RecentLatencies
+from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
+from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
+from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
+from phasescope.telemetry.step.aggregator import EngineView, StepAggregator
+from phasescope.telemetry.step.prometheus import StepMetrics
+from phasescope.telemetry.step.records import StepForwarder
+from phasescope.telemetry.step.verdict import HeadroomLimits
+
+logger = logging.getLogger(__name__)
+
+HEALTH_SERVICE: str = health_pb2.DESCRIPTOR.services_by_name["Health"].full_name
+# gRPC allows 4 MiB requests by default; a context window of text fits easily.
+MAX_MESSAGE_BYTES = 16 * 2**20
+GRPC_OPTIONS = (
+    ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
+    # A gateway pings every connection (smg every 30 s), also between requests and while a unary Generate writes
+    # nothing: a default server counts those as strikes and ends the connection with GOAWAY(too_many_pings). As
+    # vLLM's own gRPC worker allows them.
+    ("grpc.http2.max_ping_strikes", 0),
+    ("grpc.http2.min_ping_interval_without_data_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+)
+
+
+async def _nothing() -> None:
+    return None
+
+
+class LiveTelemetry:
+    """What WatchTelemetry snapshots and GetLoads read (phasescope.serve.watch.TelemetrySource)."""
+
+    def __init__(self, steps: StepAggregator, recent: RecentLatencies, pipeline: TelemetryPipeline) -> None:
+        self._steps = steps
+        self._recent = recent
+        self._pipeline = pipeline
+
+    def views(self) -> tuple[float, list[EngineView]]:
+        return self._steps.views()
+
+    def latencies(self, window_seconds: float) -> LatencyFigures:
+        self._pipeline.hand_on()
+        return self._recent.figures(window_seconds)
+
+    @property
+    def rejected(self) -> int:
+        return self._recent.rejected
+
+
+@dataclass
+class Built:
+    """A server's parts, wired; the gRPC server is not started."""
+
+    settings: Settings
+    model_name: str
+    registry: CollectorRegistry
+    grpc: grpc.aio.Server
+    health: health.aio.HealthServicer
+    pipeline: TelemetryPipeline
+    steps: StepForwarder
+    """Where the engine's stat logger reports each step (to the aggregator, once the engine is attached)."""
+    path: RequestPath
+    inference: InferenceServicer
+    engine_protocol: VllmEngineServicer
+    request_metrics: PrometheusRequestObserver
+    recent: RecentLatencies
+    telemetry_errors: TelemetryErrors
+    tracing: Tracing | None
+    started: float = field(default_factory=time.monotonic)
+    aggregator: StepAggregator | None = None
+
+    def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> StepAggregator:
+        """Wire a started engine in: its steps judged against `peaks` (each engine's), its requests served."""
+        settings, description = self.settings, engine.description
+        aggregator = StepAggregator(
+            description.cost,
+            description.dtype,
+            peaks,
+            engines=description.data_parallel_size,
+            window_seconds=settings.metrics_window_seconds,
+            headroom_limits=HeadroomLimits(
+                bandwidth=settings.headroom_bandwidth,
+                compute=settings.headroom_compute,
+                kv_cache=settings.headroom_kv_cache,
+                queue=settings.headroom_queue,
+            ),
+            cost_per_hour=engine_cost_per_hour(settings, description),
+            sinks=(self.recent,),
+            kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
+            pipeline=self.pipeline,
+            on_error=self.telemetry_errors,
+        )
+        StepMetrics(self.model_name, aggregator, self.registry)
+        self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
+        self.steps.sink = aggregator.record
+        self.path.interference = aggregator.read_interference
+        self.path.engine = engine
+        live = LiveTelemetry(aggregator, self.recent, self.pipeline)
+        facts = ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started)
+        self.inference.attach_telemetry(facts, live)
+        self.engine_protocol.attach_telemetry(live)
+        self.aggregator = aggregator
+        return aggregator
+
+    async def set_health(self, status: int) -> None:
+        for service in ("", SERVICE_NAME):
+            await self.health.set(service, status)
+
+
+def build_server(
+    settings: Settings,
+    model_name: str,
+    *,
+    registry: CollectorRegistry = REGISTRY,
+    on_engine_dead: Callable[[], Awaitable[None]] = _nothing,
+    engine: Engine | None = None,
+    peaks: HardwarePeaks | None = None,
+) -> Built:
+    """Every part of a server for `settings`, its model served as `model_name`; with `engine` (and its `peaks`)
+    the engine is attached too. `on_engine_dead` is awaited once when a request finds the engine dead."""
+    telemetry_errors = TelemetryErrors(model_name, registry)
+    waits = FirstTokenWaits()
+    pipeline = TelemetryPipeline(waits, on_error=telemetry_errors)
+    # First: a registry collects in registration order, and a scrape hands on what is held before the series.
+    registry.register(pipeline.scrape_hook())
+    tracing = build_tracing(settings)
+    recent = RecentLatencies()
+    request_metrics = PrometheusRequestObserver(registry, model_name)
+    direct: list[RequestObserver] = [tracing.observer] if tracing is not None else []
+    records = ObserverGroup(direct, [request_metrics, recent], pipeline=pipeline, on_error=telemetry_errors)
+    tokens = load_tokens(settings.auth_tokens_file, env_auth_tokens())
+    path = RequestPath(
+        records,
+        Admission(settings.max_concurrent_requests, settings.max_queued_requests, settings.max_requests_per_client),
+        model_name,
+        first_token_waits=waits,
+        trace_id=tracing.trace_id if tracing is not None else lambda: None,
+        capture_text=tracing is not None and settings.trace_include_text,
+        identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
+        on_engine_dead=on_engine_dead,
+    )
+    inference = InferenceServicer(path, max_watchers=settings.max_watchers)
+    # vLLM's engine protocol on the same port, over the same path: the smg gateway's door.
+    engine_protocol = VllmEngineServicer(path)
+
+    # Listed outermost first: authentication, then the server span, which wraps the status mapping so it sees
+    # the final status.
+    interceptors: list[grpc.aio.ServerInterceptor] = []
+    if tokens:
+        exempt = (HEALTH_SERVICE, reflection.SERVICE_NAME) if settings.auth_exempt_health else ()
+        interceptors.append(BearerTokenInterceptor(tokens, exempt))
+        logger.info("bearer-token authentication on (%d tokens)%s", len(tokens), "; health open" if exempt else "")
+    if tracing is not None:
+        interceptors.append(tracing.interceptor)
+    interceptors.append(ExceptionToStatusInterceptor((SERVICE_NAME, ENGINE_PROTOCOL_SERVICE)))
+    server = grpc.aio.server(interceptors=interceptors, options=list(GRPC_OPTIONS))
+    server.add_generic_rpc_handlers((inference_handler(inference), engine_protocol_handler(engine_protocol)))
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection(
+        (SERVICE_NAME, ENGINE_PROTOCOL_SERVICE, HEALTH_SERVICE, reflection.SERVICE_NAME), server
+    )
+    built = Built(
+        settings=settings,
+        model_name=model_name,
+        registry=registry,
+        grpc=server,
+        health=health_servicer,
+        pipeline=pipeline,
+        steps=StepForwarder(on_error=telemetry_errors),
+        path=path,
+        inference=inference,
+        engine_protocol=engine_protocol,
+        request_metrics=request_metrics,
+        recent=recent,
+        telemetry_errors=telemetry_errors,
+        tracing=tracing,
+    )
+    if engine is not None:
+        if peaks is None:
+            raise ValueError("an engine is attached with the peaks it is judged against")
+        built.attach_engine(engine, peaks)
+    return built
