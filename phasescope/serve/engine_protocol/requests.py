@@ -33,8 +33,6 @@ def decode_generate(
     """The request as the request path takes it, or INVALID_ARGUMENT naming what cannot be served."""
     if isinstance(request, UndecodableRequest):
         raise InvalidRequestError(request.field, request.reason)
-    if not request.request_id:
-        raise InvalidRequestError("request_id", "must not be empty: Abort finds a request by it")
     for field in ("mm_inputs", "media_refs"):
         if request.HasField(field):
             raise InvalidRequestError(field, "this worker serves a text model: multimodal inputs are not supported")

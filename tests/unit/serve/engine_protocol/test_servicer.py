@@ -139,6 +139,13 @@ async def test_log_probabilities_ride_each_chunk_and_the_unary_complete() -> Non
         assert not plain[-1].complete.HasField("input_logprobs")
 
 
+async def test_a_request_without_an_id_is_served_as_vllms_worker_serves_it() -> None:
+    async with served(ScriptedEngine()) as s:
+        request = pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[5, 6]), stream=False)
+        (response,) = [r async for r in s.stub.Generate(request)]
+        assert response.complete.output_ids
+
+
 async def test_max_tokens_beyond_the_room_left_reaches_the_engine_as_vllms_worker_passes_it() -> None:
     # Guards issue 46: gateways send max_tokens at the context's size; vLLM's worker lets the engine stop at the
     # context's end (finish reason "length") where phasescope used to refuse it.
@@ -198,7 +205,6 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
 @pytest.mark.parametrize(
     ("request_", "field"),
     [
-        (pb.GenerateRequest(tokenized=pb.TokenizedInput(input_ids=[1])), "request_id"),
         (pb.GenerateRequest(request_id="r"), "input"),
         (generate(ids=()), "tokenized.input_ids"),
         (generate(ids=(1, 10**6)), "tokenized.input_ids[1]"),
