@@ -86,9 +86,12 @@ def test_dead_engine_core_fails_streams_unavailable_and_the_server_exits(dp_serv
         thread.join(120)
     assert len(errors) == 2
     assert all(error.code() is grpc.StatusCode.UNAVAILABLE for error in errors), [e.details() for e in errors]
+    assert all("the engine died" in (error.details() or "") for error in errors), [e.details() for e in errors]
     deadline = time.monotonic() + 30
     while dp_server.process.poll() is None and time.monotonic() < deadline:
         time.sleep(0.1)
     # The server said it could not serve and exited non-zero, leaving no engine behind.
     assert dp_server.process.poll() == 1
+    # The log names the requests the engine ran when it died (their ids: an operator finds them in vLLM's dump).
+    assert "Requests in the engine when it died (2)" in dp_server.log_path.read_text(errors="replace")
     assert not [core for core in cores if core.is_running() and core.status() != psutil.STATUS_ZOMBIE]
