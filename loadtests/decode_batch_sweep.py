@@ -26,7 +26,7 @@ from typing import Any
 
 import grpc
 
-from phasescope.bench import EngineSettings, start_phasescope
+from phasescope.bench import EngineSettings, ServeVariant, start_phasescope
 from phasescope.bench.harness import stop_on_sigterm, wait_engine_idle, write_results
 from phasescope.client.client import Client, build_request
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
@@ -166,7 +166,9 @@ def main(argv: list[str] | None = None) -> int:
             max(args.batch_sizes),
         )
         print(f"starting a server; log: {args.server_log}", file=sys.stderr)
-        managed, target = start_phasescope(settings, args.server_log, ("--metrics-window-seconds", str(args.window)))
+        managed, target = start_phasescope(
+            settings, args.server_log, ServeVariant("phasescope", args=("--metrics-window-seconds", str(args.window)))
+        )
         address, metrics_url = target.address, target.metrics_url or ""
     try:
         rows = []

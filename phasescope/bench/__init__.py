@@ -24,7 +24,12 @@ AsyncLLM in this process, (b) vLLM's OpenAI server, (c) phasescope over phasesco
 (d) vLLM's own gRPC worker over vLLM's engine protocol (`vllm.grpc.engine.VllmEngine`,
 `vllm-grpc`) and (e) the same phasescope server over that protocol (`phasescope-vllm-grpc`),
 interleaved point by point (`--compare-protocol phasescope` keeps (a)–(c), `engine` (d)–(e)),
-and prints phasescope ÷ in-process and phasescope ÷ OpenAI server at every point. The
+and prints phasescope ÷ in-process and phasescope ÷ OpenAI server at every point. With
+`--rounds N` (N ≥ 2) each target is also set beside a baseline (vLLM's gRPC worker when it
+runs) round by round: the median of the rounds' ratios with a 95 % bootstrap interval, for
+output tokens/s, TTFT p50, TPOT p50 and front-end CPU per 1,000 tokens. `--variant` starts more
+phasescope servers beside the first (another checkout through `PYTHONPATH`, other flags), and
+`--serve-args` shapes the first; `--pool` sets kept results' rounds together. The
 engine-protocol targets send token ids (tokenised on the bench side, as the smg gateway
 does). Running endpoints are measured by flag, nothing started for them: any VllmEngine at
 `--vllm-grpc-address`, an OpenAI-compatible gateway at `--gateway-url`.
@@ -35,11 +40,13 @@ Modules, one job each: `config` (the run's typed configuration from the flags, w
 servers, through `phasescope.bench.harness`), `loop` (runs, points across targets and repeats,
 sweeps and searches), `search` (the bracketing SLA search), `saturation` (over-saturation
 within a run), `spread` (a point over its repeats), `summary` (one run's statistics),
-`hardware` (the server's view from /metrics), `plots`, `report` (report.md and the
-printed tables) and `runner` (a whole run, and what it writes).
+`rounds` (each target beside the baseline, round by round), `hardware` (the server's view
+from /metrics), `plots`, `report` (report.md and the printed tables) and `runner` (a whole
+run, and what it writes).
 """
 
+from phasescope.bench.config import ServeVariant
 from phasescope.bench.launch import EngineSettings, start_phasescope
 from phasescope.bench.runner import main
 
-__all__ = ["EngineSettings", "main", "start_phasescope"]
+__all__ = ["EngineSettings", "ServeVariant", "main", "start_phasescope"]

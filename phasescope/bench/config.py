@@ -7,6 +7,7 @@ results (`parameters`), so a run is reproduced from its results file alone.
 from __future__ import annotations
 
 import argparse
+import re
 import shlex
 import sys
 from dataclasses import dataclass, field
@@ -33,6 +34,58 @@ COMPARE_PROTOCOLS = ("all", "phasescope", "engine")
 phasescope.v1), `engine` (vLLM's gRPC worker, against phasescope over the same engine protocol), `all` (both)."""
 
 
+ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
+"""A word that sets an environment variable (NAME=VALUE), as `env` reads the words before a command."""
+VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
+TARGET_NAMES = ("in-process", "vllm-openai", "phasescope", "vllm-grpc", "phasescope-vllm-grpc",
+                "vllm-grpc-endpoint", "gateway")  # fmt: skip
+"""Every target a run can measure besides the variants, in the order they run."""
+ENGINE_PROTOCOL_SUFFIX = "-vllm-grpc"
+"""A phasescope server over vLLM's engine protocol is measured under its name and this suffix."""
+
+
+@dataclass(frozen=True)
+class ServeVariant:
+    """A phasescope server this run starts: its name as a target, its environment and its extra serve flags."""
+
+    name: str
+    env: dict[str, str] = field(default_factory=dict)
+    """Set in the server's environment (and its engine's): `PYTHONPATH=<a checkout>` runs that checkout's code."""
+    args: tuple[str, ...] = ()
+    """`phasescope serve` flags after the run's engine settings."""
+
+    def describe(self) -> dict[str, Any]:
+        return {"name": self.name, "env": self.env, "args": list(self.args)}
+
+
+PHASESCOPE = ServeVariant("phasescope")
+"""The phasescope server a run starts, as it is: no environment or flags of its own."""
+
+
+def serve_words(text: str, flag: str) -> tuple[dict[str, str], tuple[str, ...]]:
+    """`NAME=VALUE ... --flag value ...`, shell-quoted: the leading NAME=VALUE words are the server's environment,
+    the rest its `phasescope serve` flags."""
+    try:
+        words = shlex.split(text)
+    except ValueError as exc:
+        raise ConfigError(f"{flag}: {exc}") from None
+    env: dict[str, str] = {}
+    while words and ENV_WORD.match(words[0]):
+        name, _, value = words.pop(0).partition("=")
+        env[name] = value
+    return env, tuple(words)
+
+
+def parse_variant(text: str) -> ServeVariant:
+    name, sep, words = text.partition("=")
+    if not sep or not VARIANT_NAME.fullmatch(name):
+        raise ConfigError(f"--variant: {text!r} is not NAME=WORDS (NAME in lower case, digits and -)")
+    if name in TARGET_NAMES or name.endswith(ENGINE_PROTOCOL_SUFFIX):
+        raise ConfigError(f"--variant: {name!r} is a target's name already")
+    env, args = serve_words(words, "--variant")
+    return ServeVariant(name, env, args)
+
+
 @dataclass(frozen=True)
 class BenchConfig:
     points: tuple[tuple[str, float], ...]
@@ -42,7 +95,7 @@ class BenchConfig:
     warmup: int
     """Requests before each point's first run (per target), excluded from the figures."""
     repeats: int
-    """Runs per point, each with its own seed; figures are the median over them, with min and max."""
+    """Runs per point (rounds), each with its own seed; figures are the median over them, with min and max."""
     seed: int
     """The base seed: every run's seed is derived from it, the point and the repeat."""
     workload: WorkloadSpec
@@ -82,6 +135,15 @@ class BenchConfig:
     """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     pin_cpus: bool = False
     """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
+    settle_seconds: float = 0.0
+    """Quiet before each run of a point with several targets: the target that ran last goes idle first."""
+    baseline: str | None = None
+    """The target every other is divided by, round by round; None: vLLM's gRPC worker when measured, else the
+    first target (`phasescope.bench.rounds.choose_baseline`)."""
+    serve: ServeVariant = PHASESCOPE
+    """The phasescope server started here: its environment and extra serve flags."""
+    variants: tuple[ServeVariant, ...] = ()
+    """More phasescope servers started beside it, each measured under its own name."""
     compare: bool = False
     """Start the peers of `compare_protocol` beside phasescope, interleaved point by point."""
     compare_protocol: str = "all"
@@ -121,6 +183,21 @@ class BenchConfig:
         return bool(self.address) or self.starts_phasescope
 
     @property
+    def target_names(self) -> list[str]:
+        """What the run measures, in the order it runs them (`phasescope.bench.runner`)."""
+        v1_set = not self.compare or self.compare_protocol in ("all", "phasescope")
+        engine_pair = self.compare and self.compare_protocol in ("all", "engine")
+        names = ["in-process", "vllm-openai"] if self.compare and v1_set else []
+        if self.measures_phasescope:
+            servers = [self.serve, *self.variants]
+            names += [server.name for server in servers] if v1_set else []
+            if engine_pair:
+                names += ["vllm-grpc", *(server.name + ENGINE_PROTOCOL_SUFFIX for server in servers)]
+        names += ["vllm-grpc-endpoint"] if self.vllm_grpc_address else []
+        names += ["gateway"] if self.gateway_url else []
+        return names
+
+    @property
     def starts_servers(self) -> bool:
         """Whether this run starts anything (and so has engine settings of its own)."""
         return self.compare or self.starts_phasescope
@@ -151,6 +228,10 @@ class BenchConfig:
             "token_times": self.token_times,
             "scrape_interval": self.scrape_interval,
             "pin_cpus": self.pin_cpus,
+            "settle_seconds": self.settle_seconds,
+            "baseline": self.baseline,
+            "serve": self.serve.describe(),
+            "variants": [variant.describe() for variant in self.variants],
             "compare": self.compare,
             "compare_protocol": self.compare_protocol if self.compare else None,
             "address": self.address,
@@ -241,8 +322,16 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
     if args.tiny_model and (vllm_grpc_address or gateway_url) and not args.compare:
         raise ConfigError("--tiny-model starts the servers it measures; --vllm-grpc-address and --gateway-url "
                           "alone start none (add --compare, or drop --tiny-model)")  # fmt: skip
+    if not args.settle >= 0:
+        raise ConfigError(f"--settle must be ≥ 0 seconds, got {args.settle}")
+    serve_env, serve_args = serve_words(args.serve_args, "--serve-args")
+    variants = tuple(parse_variant(text) for text in args.variant)
+    if len({variant.name for variant in variants}) < len(variants):
+        raise ConfigError("--variant: each needs a name of its own")
+    if (serve_env or serve_args or variants) and args.address:
+        raise ConfigError("--serve-args and --variant shape the servers started here; --address is running already")
     argv = sys.argv[1:] if argv is None else argv
-    return BenchConfig(
+    config = BenchConfig(
         points=tuple(points),
         requests=args.requests,
         warmup=args.warmup,
@@ -269,6 +358,10 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         token_times=args.token_times,
         scrape_interval=args.scrape_interval,
         pin_cpus=args.pin_cpus,
+        settle_seconds=args.settle,
+        baseline=args.baseline,
+        serve=ServeVariant("phasescope", serve_env, serve_args),
+        variants=variants,
         compare=args.compare,
         compare_protocol=args.compare_protocol or "all",
         address=args.address,
@@ -280,3 +373,9 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         prompts_file_sha256=digest,
         command=shlex.join(["phasescope", *argv]),
     )
+    if (serve_env or serve_args or variants) and not config.starts_phasescope:
+        raise ConfigError("--serve-args and --variant shape a phasescope started here: this run starts none")
+    if config.baseline is not None and config.baseline not in config.target_names:
+        raise ConfigError(f"--baseline: {config.baseline!r} is not measured here "
+                          f"(this run measures {', '.join(config.target_names)})")  # fmt: skip
+    return config

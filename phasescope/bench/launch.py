@@ -10,7 +10,7 @@ import urllib.request
 from dataclasses import dataclass
 from pathlib import Path
 
-from phasescope.bench.config import BenchConfig
+from phasescope.bench.config import ENGINE_PROTOCOL_SUFFIX, PHASESCOPE, BenchConfig, ServeVariant
 from phasescope.bench.harness import ManagedProcess, PhasescopeProcess, StartError, free_port, health_status
 from phasescope.bench.targets import InProcessTarget, OpenAITarget, PhasescopeTarget, VllmEngineTarget
 
@@ -46,21 +46,26 @@ def allocator_env() -> dict[str, str]:
 def start_phasescope(
     settings: EngineSettings,
     log: Path,
-    extra_args: tuple[str, ...] = (),
+    server: ServeVariant = PHASESCOPE,
     api: str = "prompt",
     token_ids_only: bool = False,
 ) -> tuple[PhasescopeProcess, PhasescopeTarget]:
-    server = PhasescopeProcess(
+    """`phasescope serve` on the run's engine settings, then `server`'s flags, in `server`'s environment; its
+    phasescope.v1 target is named after it."""
+    process = PhasescopeProcess(
         [
             "--enforce-eager", "--model", settings.model, "--served-model-name", settings.served_name,
             "--dtype", settings.dtype, "--max-model-len", str(settings.max_model_len),
             "--kv-cache-gib", str(settings.kv_cache_gib), "--max-concurrent-requests", str(settings.max_num_seqs),
-            "--max-queued-requests", "4096", "--stream-interval", str(settings.stream_interval), *extra_args,
+            "--max-queued-requests", "4096", "--stream-interval", str(settings.stream_interval), *server.args,
         ],
         log,
+        env=server.env,
     )  # fmt: skip
-    server.wait_serving()
-    return server, PhasescopeTarget(server.address, server.metrics_url, server.process.pid, api, token_ids_only)
+    process.wait_serving()
+    target = PhasescopeTarget(process.address, process.metrics_url, process.process.pid, api, token_ids_only,
+                              name=server.name)  # fmt: skip
+    return process, target
 
 
 def start_openai(settings: EngineSettings, out: Path, api: str = "prompt") -> tuple[ManagedProcess, OpenAITarget]:
@@ -116,10 +121,13 @@ def start_vllm_grpc(
 
 
 def phasescope_engine_target(
-    address: str, metrics_url: str | None, pid: int | None, tokenizer: str, api: str = "prompt"
-) -> VllmEngineTarget:
-    """phasescope over vLLM's engine protocol: the same server (port, /metrics, pid) as its phasescope.v1 target."""
-    return VllmEngineTarget(address, "phasescope-vllm-grpc", tokenizer, pid=pid, api=api, metrics_url=metrics_url)
+    address: str, metrics_url: str | None, pid: int | None, tokenizer: str, api: str = "prompt",
+    server: str = "phasescope",
+) -> VllmEngineTarget:  # fmt: skip
+    """phasescope over vLLM's engine protocol: the same server (port, /metrics, pid) as its phasescope.v1 target,
+    named after it (`phasescope-vllm-grpc`)."""
+    name = server + ENGINE_PROTOCOL_SUFFIX
+    return VllmEngineTarget(address, name, tokenizer, pid=pid, api=api, metrics_url=metrics_url)
 
 
 def endpoint_tokenizer(address: str, timeout: float = 10.0) -> str:

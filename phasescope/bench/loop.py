@@ -1,10 +1,11 @@
 """The run loop: one run (closed loop or Poisson arrivals), a point's repeats across targets, sweeps and searches.
 
 Order, so that machine drift (thermal, other tenants, a filling cache) hits every target
-alike: a point runs repeat 1 on every target (A, B, C), then repeat 2 on every target, and
-only then the next point starts — never all of one target, then another. A point's runs
-share nothing but the seed scheme: run (step, repeat) gets `derive_seed(seed, step,
-repeat)` for its prompts, lengths and arrival times, the same on every target.
+alike: a point runs round (repeat) 1 on every target (A, B, C), then round 2 on every target in
+the reverse order (C, B, A), and only then the next point starts — never all of one target, then
+another. A point's runs share nothing but the seed scheme: run (step, repeat) gets
+`derive_seed(seed, step, repeat)` for its prompts, lengths and arrival times, the same on every
+target, so a round's runs can be set beside each other (`phasescope.bench.rounds`).
 """
 
 from __future__ import annotations
@@ -192,6 +193,10 @@ class Bench:
                 if repeat == 0 and warmup:
                     await run_point(target, warmup, concurrency=min(len(warmup), WARMUP_CONCURRENCY), rate=None,
                                     seed=seed, progress=lambda: None)  # fmt: skip
+                if len(values) > 1:
+                    # The target that ran last keeps spinning for a moment (vLLM's shared-memory queue readers poll
+                    # for a second after their last message) on the CPUs the next one needs: let it go idle first.
+                    await asyncio.sleep(config.settle_seconds)
                 value = values[target.name]
                 runs[target.name].append(await run_once(target, load, value, measured, config, seed=seed,
                                                          repeat=repeat))  # fmt: skip

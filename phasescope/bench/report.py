@@ -11,6 +11,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from phasescope.bench.rounds import ROUND_FIGURES
+
 
 def _number(value: float, digits: int) -> str:
     return f"{value:,.{digits}f}"
@@ -120,6 +122,39 @@ def hardware_rows(points: list[dict[str, Any]]) -> list[list[str]]:
     return rows
 
 
+ROUND_HEADER = ["target", "load", "rounds", "output tok/s", "TTFT p50", "TPOT p50", "front-end CPU / 1k tok"]
+
+
+def _ratio(row: dict[str, Any], name: str) -> str:
+    """`median [low–high] (higher in k)`: the median of the rounds' ratios, its 95 % interval, and in how many
+    rounds the target's figure was the higher; — when no round has both figures."""
+    figure = row["figures"].get(name)
+    if figure is None:
+        return "—"
+    return f"{figure['median']:.3f} [{figure['low']:.3f}–{figure['high']:.3f}] ({figure['higher']})"
+
+
+def round_rows(round_ratios: list[dict[str, Any]]) -> list[list[str]]:
+    return [[row["target"], _load(row), str(row["rounds"]), *(_ratio(row, name) for name in ROUND_FIGURES)]
+            for row in round_ratios]  # fmt: skip
+
+
+def round_lines(round_ratios: list[dict[str, Any]]) -> list[str]:
+    """The table of each target ÷ the baseline, round by round, with what its cells mean."""
+    if not round_ratios:
+        return []
+    baseline = round_ratios[0]["baseline"]
+    return [f"Each target ÷ {baseline}, round by round: the median of the rounds' ratios [its 95 % bootstrap "
+            "interval] (in how many rounds the target's figure was the higher).", "",
+            *_table(ROUND_HEADER, round_rows(round_ratios))]  # fmt: skip
+
+
+def print_round_ratios(round_ratios: list[dict[str, Any]]) -> None:
+    lines = round_lines(round_ratios)
+    if lines:
+        print("\n" + "\n".join(lines))
+
+
 def _by_target_and_load(points: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Each target's points together (in the order the targets ran), by load: a search runs them out of order."""
     order = list(dict.fromkeys(p["target"] for p in points))
@@ -139,6 +174,9 @@ def write_report(results: dict[str, Any], plots: list[Path], out: Path) -> Path:
               + f"; {parameters['requests']} measured requests per run.", ""]  # fmt: skip
     header, rows = latency_rows(points, slo)
     lines += [*_table(header, rows), ""]
+    rounds = round_lines(results.get("round_ratios", []))
+    if rounds:
+        lines += ["## Each target beside the baseline, round by round", "", *rounds, ""]
     hardware = hardware_rows(points)
     if hardware:
         lines += ["## The hardware at each point (the server's /metrics over the point)", "",
@@ -166,5 +204,6 @@ def print_tables(results: dict[str, Any]) -> None:
         print("\n".join(_table(HARDWARE_HEADER, hardware)))
     for row in results["ratios"]:
         print("ratios " + ", ".join(f"{k} {v:.3f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print_round_ratios(results.get("round_ratios", []))
     for line in plan_lines(results):
         print(line)

@@ -3,10 +3,11 @@
 Every process the run starts is stopped when it ends, however it ends (an exit stack, and
 `phasescope.bench.harness` stops a server's whole process group). With `--compare` the
 targets run side by side (each server its own engine, idle while another is measured) so that
-points can be interleaved across them, in this order: in-process, vllm-openai, phasescope (the
-phasescope.v1 set), vllm-grpc, phasescope-vllm-grpc (the engine-protocol pair: vLLM's gRPC worker,
-and the same phasescope server over vLLM's engine protocol), then any running endpoint named by
-`--vllm-grpc-address` (vllm-grpc-endpoint) or `--gateway-url` (gateway).
+points can be interleaved across them, in this order: in-process, vllm-openai, phasescope and
+each `--variant` (the phasescope.v1 set), vllm-grpc, phasescope-vllm-grpc and each variant's
+NAME-vllm-grpc (the engine-protocol set: vLLM's gRPC worker, and the same phasescope servers over
+vLLM's engine protocol), then any running endpoint named by `--vllm-grpc-address`
+(vllm-grpc-endpoint) or `--gateway-url` (gateway); `BenchConfig.target_names` lists them.
 """
 
 from __future__ import annotations
@@ -15,11 +16,14 @@ import argparse
 import asyncio
 import contextlib
 import datetime
+import gzip
 import importlib.metadata
+import json
 import os
 import platform
 import sys
 from dataclasses import asdict
+from pathlib import Path
 from typing import Any
 
 from phasescope.bench.config import BenchConfig, ConfigError, from_args
@@ -37,14 +41,16 @@ from phasescope.bench.launch import (
 )
 from phasescope.bench.loop import Bench
 from phasescope.bench.plots import plot
-from phasescope.bench.report import print_tables, write_report
+from phasescope.bench.report import print_round_ratios, print_tables, write_report
+from phasescope.bench.rounds import choose_baseline, collect_rounds, round_ratios
 from phasescope.bench.summary import FORMULAS, ratios
 from phasescope.bench.targets import PhasescopeTarget, Target, VllmEngineTarget
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 from phasescope.telemetry.hardware.probe import cpu_name
 
-SCHEMA_VERSION = 2
-"""2: points combine `repeats` (medians, `spread`, `runs`); goodput, saturation and gauges; `plans`."""
+SCHEMA_VERSION = 3
+"""2: points combine `repeats` (medians, `spread`, `runs`); goodput, saturation and gauges; `plans`.
+3: `baseline` and `round_ratios` (each target ÷ the baseline, round by round, with intervals)."""
 RESULTS_FILE = "bench.json.gz"
 """The raw results, every run and request: gzip-compressed JSON (the per-token times make it large)."""
 
@@ -66,28 +72,32 @@ async def _targets(
         stack.push_async_callback(openai.close)
         targets.append(openai)
     if config.measures_phasescope:
-        pid = None
+        ours: list[tuple[PhasescopeTarget, int | None]] = []
         if config.address:
-            ours = PhasescopeTarget(config.address, config.metrics_url, None, config.api, config.token_ids_only)
+            ours.append((PhasescopeTarget(config.address, config.metrics_url, None, config.api,
+                                          config.token_ids_only), None))  # fmt: skip
         else:
             assert settings is not None
-            phasescope, ours = start_phasescope(
-                settings, config.output_dir / "phasescope.log", api=config.api, token_ids_only=config.token_ids_only
-            )
-            stack.callback(phasescope.stop)
-            pid = phasescope.process.pid
-        stack.push_async_callback(ours.close)
-        if v1_set:
-            targets.append(ours)
+            for variant in (config.serve, *config.variants):
+                process, target = start_phasescope(settings, config.output_dir / f"{variant.name}.log", variant,
+                                                   api=config.api, token_ids_only=config.token_ids_only)  # fmt: skip
+                stack.callback(process.stop)
+                ours.append((target, process.process.pid))
+        for target, _ in ours:
+            stack.push_async_callback(target.close)
+            if v1_set:
+                targets.append(target)
         if engine_pair:
             assert settings is not None
             worker, vllm_grpc = start_vllm_grpc(settings, config.output_dir, config.api)
             stack.callback(worker.stop)
             stack.push_async_callback(vllm_grpc.close)
             targets.append(vllm_grpc)
-            ours_engine = phasescope_engine_target(ours.address, ours.metrics_url, pid, settings.model, config.api)
-            stack.push_async_callback(ours_engine.close)
-            targets.append(ours_engine)
+            for target, pid in ours:
+                engine = phasescope_engine_target(target.address, target.metrics_url, pid, settings.model,
+                                                  config.api, target.name)  # fmt: skip
+                stack.push_async_callback(engine.close)
+                targets.append(engine)
     if config.vllm_grpc_address:
         tokenizer = config.model or endpoint_tokenizer(config.vllm_grpc_address)
         endpoint = VllmEngineTarget(config.vllm_grpc_address, "vllm-grpc-endpoint", tokenizer, api=config.api)
@@ -137,6 +147,7 @@ async def run(config: BenchConfig) -> dict[str, Any]:
         if config.pin_cpus:
             _pin_cpus()
         await (bench.search() if config.sla_search else bench.sweep())
+    baseline = choose_baseline([target.name for target in bench.targets], config.baseline)
     return {
         "schema_version": SCHEMA_VERSION,
         "command": config.command,
@@ -149,11 +160,28 @@ async def run(config: BenchConfig) -> dict[str, Any]:
         "plans": list(bench.plans.values()),
         "points": bench.points,
         "ratios": ratios(bench.points),
+        "baseline": baseline,
+        "round_ratios": round_ratios(collect_rounds([bench.points]), baseline) if baseline else [],
     }
+
+
+def pool(paths: list[Path], baseline: str | None) -> int:
+    """`--pool`: kept results' round ratios, pooled; each result's rounds paired within it."""
+    kept = [json.loads(gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes())
+            for path in paths]  # fmt: skip
+    names = list(dict.fromkeys(point["target"] for result in kept for point in result["points"]))
+    chosen = choose_baseline(names, baseline or kept[0].get("baseline"))
+    if chosen is None or chosen not in names:
+        print(f"phasescope bench: --pool: no baseline among {', '.join(names)}; give --baseline", file=sys.stderr)
+        return 2
+    print_round_ratios(round_ratios(collect_rounds([result["points"] for result in kept]), chosen))
+    return 0
 
 
 def main(args: argparse.Namespace) -> int:
     """`phasescope bench` (its flags are defined by `phasescope.cli.bench`)."""
+    if args.pool:
+        return pool(args.pool, args.baseline)
     try:
         config = from_args(args)
     except ConfigError as exc:

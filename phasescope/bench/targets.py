@@ -44,13 +44,14 @@ def _cpu(pid: int | None) -> float | None:
 
 class PhasescopeTarget:
     def __init__(
-        self, address: str, metrics_url: str | None, pid: int | None, api: str = "prompt", token_ids_only: bool = False
-    ) -> None:
+        self, address: str, metrics_url: str | None, pid: int | None, api: str = "prompt", token_ids_only: bool = False,
+        *, name: str = "phasescope",
+    ) -> None:  # fmt: skip
         import grpc
 
         from phasescope.v1 import inference_pb2_grpc as pb_grpc
 
-        self.name = "phasescope"
+        self.name = name
         self.api = api
         self.address = address
         self.token_ids_only = token_ids_only

@@ -1,8 +1,5 @@
-"""`phasescope bench`: the flags of the benchmark harness; the harness itself lives in `phasescope.bench`.
-
-This is the one place under `server/` that reaches into `loadtests/`, and only
-inside `cmd`: the server never needs the benchmarks to run.
-"""
+"""`phasescope bench`: the flags of the benchmark harness; the harness itself lives in `phasescope.bench`,
+imported only inside `cmd` so that `phasescope --help` stays fast."""
 
 from __future__ import annotations
 
@@ -23,7 +20,9 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         "sweep that stops once the server is over-saturated, the server's bandwidth saturation, compute use and "
         "verdicts per point, and a Markdown report with plots. --compare adds AsyncLLM in-process, vLLM's "
         "OpenAI server, vLLM's gRPC worker and phasescope over vLLM's engine protocol on the same workload, "
-        "interleaved point by point; --vllm-grpc-address and --gateway-url measure running endpoints too.",
+        "interleaved point by point; --vllm-grpc-address and --gateway-url measure running endpoints too. With "
+        "--rounds N every point runs N rounds and each target is set beside a baseline round by round, with "
+        "intervals; --variant starts more phasescope servers (another checkout, other flags) beside it.",
     )
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", default="1,4,16", help="closed-loop points, comma-separated (default 1,4,16)")
@@ -37,10 +36,22 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     load.add_argument("--requests", type=int, default=32, help="measured requests per run")
     load.add_argument("--warmup", type=int, default=4, help="requests before each point, excluded")
     load.add_argument(
+        "--rounds",
         "--repeats",
+        dest="repeats",
         type=int,
         default=1,
-        help="runs per point, each with its own seed: figures are the median, with min–max",
+        help="runs per point (rounds), each with its own seed: in a round every target runs once on the same "
+        "prompts, the order reversed every other round; figures are the median, with min–max, and with two "
+        "targets or more each one's ratio to --baseline is the median of the rounds' ratios with its 95 %% "
+        "bootstrap interval",
+    )
+    load.add_argument(
+        "--settle",
+        type=float,
+        default=2.0,
+        help="seconds of quiet before each run of a point with several targets, so the target that ran last "
+        "is idle (vLLM's shared-memory queues spin for a second after their last message; default 2)",
     )
     load.add_argument(
         "--no-saturation-stop",
@@ -150,6 +161,28 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         "is started for it, and it has no front-end CPU figure. Without --compare or --address no phasescope "
         "is started",
     )
+    target.add_argument(
+        "--serve-args",
+        default="",
+        metavar="WORDS",
+        help="for the phasescope started here, shell-quoted: NAME=VALUE words first (its environment: "
+        "'PYTHONSAFEPATH=1 PYTHONPATH=/path/to/checkout' runs that checkout's code), then `phasescope serve` "
+        "flags",
+    )
+    target.add_argument(
+        "--variant",
+        action="append",
+        default=[],
+        metavar="NAME=WORDS",
+        help="another phasescope started beside it, WORDS as in --serve-args, measured as NAME (and "
+        "NAME-vllm-grpc over vLLM's engine protocol); repeatable",
+    )
+    target.add_argument(
+        "--baseline",
+        metavar="TARGET",
+        help="the target every other is divided by, round by round (default: vllm-grpc when measured, else "
+        "the first target)",
+    )
     target.add_argument("--model", default="", help="model folder (default: the embedded default)")
     target.add_argument(
         "--tiny-model",
@@ -191,6 +224,15 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         default=Path("loadtests/results/bench"),
         help="bench.json.gz (the raw results, gzip-compressed JSON), report.md and the plots "
         "(default loadtests/results/bench)",
+    )
+    output.add_argument(
+        "--pool",
+        nargs="+",
+        type=Path,
+        metavar="BENCH_JSON_GZ",
+        help="run nothing: read kept results (bench.json.gz) and print each target's ratio to --baseline pooled "
+        "over all their rounds, each result's rounds paired within it (the same command with the servers "
+        "started in the other order, say)",
     )
     output.add_argument(
         "--no-token-times",

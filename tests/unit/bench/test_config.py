@@ -75,3 +75,41 @@ def test_the_tiny_model_needs_something_started(tmp_path: Path) -> None:
         config(tmp_path, "--tiny-model", "--vllm-grpc-address", "127.0.0.1:1")
     with pytest.raises(ConfigError, match="--tiny-model"):
         config(tmp_path, "--tiny-model", "--gateway-url", "http://127.0.0.1:2")
+
+
+def test_rounds_are_the_repeats_and_every_setting_of_the_servers_is_written_into_the_results(tmp_path: Path) -> None:
+    rounds = config(tmp_path, "--compare", "--compare-protocol", "engine", "--rounds", "12", "--settle", "1.5",
+                    "--serve-args", "PYTHONSAFEPATH=1 PYTHONPATH='/a b' --event-loop asyncio",
+                    "--variant", "b=LD_PRELOAD= --stream-interval 8")  # fmt: skip
+    assert rounds.repeats == 12
+    assert rounds.serve.env == {"PYTHONSAFEPATH": "1", "PYTHONPATH": "/a b"}
+    assert rounds.serve.args == ("--event-loop", "asyncio")
+    (variant,) = rounds.variants
+    assert (variant.name, variant.env, variant.args) == ("b", {"LD_PRELOAD": ""}, ("--stream-interval", "8"))
+    assert rounds.target_names == ["vllm-grpc", "phasescope-vllm-grpc", "b-vllm-grpc"]
+    parameters = rounds.parameters()
+    assert parameters["repeats"] == 12
+    assert parameters["settle_seconds"] == 1.5
+    assert parameters["variants"] == [{"name": "b", "env": {"LD_PRELOAD": ""}, "args": ["--stream-interval", "8"]}]
+    assert config(tmp_path, "--repeats", "3").repeats == 3
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (("--variant", "B=--event-loop asyncio"), "NAME=WORDS"),
+        (("--variant", "gateway="), "a target's name"),
+        (("--variant", "x-vllm-grpc="), "a target's name"),
+        (("--variant", "b=", "--variant", "b=--stream-interval 8"), "a name of its own"),
+        (("--address", "127.0.0.1:1", "--serve-args", "--event-loop asyncio"), "--address"),
+        (("--vllm-grpc-address", "127.0.0.1:1", "--variant", "b="), "starts none"),
+        (("--compare", "--compare-protocol", "engine", "--baseline", "vllm-openai"), "not measured here"),
+        (("--serve-args", "'unclosed"), "--serve-args"),
+        (("--settle", "-1"), "--settle"),
+    ],
+)
+def test_servers_and_baselines_that_cannot_be_are_one_line(
+    tmp_path: Path, flags: tuple[str, ...], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(tmp_path, *flags)

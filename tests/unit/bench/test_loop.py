@@ -8,6 +8,7 @@ import pytest
 
 from phasescope.bench.config import BenchConfig, from_args
 from phasescope.bench.loop import Bench
+from phasescope.bench.rounds import collect_rounds, round_ratios
 from phasescope.bench.workload import BenchRequest, RequestRecord
 from phasescope.cli.main import build_parser
 
@@ -38,7 +39,7 @@ class ScriptedTarget:
 
 
 def config(tmp_path: Path, *flags: str) -> BenchConfig:
-    argv = ["bench", "--requests", "2", "--warmup", "0", "--output-dir", str(tmp_path), *flags]
+    argv = ["bench", "--requests", "2", "--warmup", "0", "--settle", "0", "--output-dir", str(tmp_path), *flags]
     return from_args(build_parser().parse_args(argv), argv)
 
 
@@ -61,6 +62,40 @@ def test_points_interleave_targets_repeat_by_repeat_with_the_same_prompts(tmp_pa
     assert point["runs"][0]["seed"] != point["runs"][1]["seed"]
     assert set(point["spread"]["output_throughput"]) == {"median", "min", "max"}
     assert len(point["runs"][0]["records"]) == 2
+
+
+SETTLE = 0.0123  # a pause no target takes, to count the settles
+
+
+def test_each_round_runs_every_target_once_on_its_prompts_in_alternating_order_after_a_settle(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    settles: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float) -> None:
+        if delay == SETTLE:
+            settles.append(delay)
+        await real_sleep(0)
+
+    monkeypatch.setattr(asyncio, "sleep", sleep)  # the loop's own settle among the targets' sleep(0)
+    calls: list[tuple[str, str]] = []
+    targets = [ScriptedTarget("vllm-grpc", calls), ScriptedTarget("phasescope-vllm-grpc", calls, limit=-1)]
+    bench = Bench(config(tmp_path, "--concurrency", "1", "--rounds", "4", "--settle", str(SETTLE)), targets)
+    asyncio.run(bench.sweep())
+    order = [name for name, _ in calls[::2]]  # two requests a run
+    assert order == ["vllm-grpc", "phasescope-vllm-grpc", "phasescope-vllm-grpc", "vllm-grpc"] * 2
+    rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
+    for round_ in rounds:  # both targets of a round are sent the same prompts; each round its own
+        assert sorted(prompt for _, prompt in round_[:2]) == sorted(prompt for _, prompt in round_[2:])
+    assert len({round_[0][1] for round_ in rounds}) == 4
+    assert len(settles) == 8  # before every run: a point with several targets
+    alone = Bench(config(tmp_path, "--concurrency", "1", "--rounds", "2", "--settle", str(SETTLE)), targets[:1])
+    asyncio.run(alone.sweep())
+    assert len(settles) == 8  # one target: nothing to wait for
+    (row,) = round_ratios(collect_rounds([bench.points]), "vllm-grpc")
+    assert (row["target"], row["rounds"]) == ("phasescope-vllm-grpc", 4)
+    assert row["figures"]["median_ttft_ms"]["median"] == pytest.approx(500.0, rel=1e-3)  # 5 s ÷ 10 ms
 
 
 class LoadAwareTarget(ScriptedTarget):

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from phasescope.bench import runner
-from phasescope.bench.config import BenchConfig, from_args
+from phasescope.bench.config import BenchConfig, ServeVariant, from_args
 from phasescope.bench.launch import EngineSettings
 from phasescope.cli.main import build_parser
 
@@ -77,13 +77,16 @@ def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> 
     monkeypatch.setattr(runner, "start_in_process", lambda settings, api: FakeTarget("in-process", log))
     monkeypatch.setattr(runner, "start_openai", lambda settings, out, api: pair("openai", "vllm-openai"))
     monkeypatch.setattr(runner, "start_vllm_grpc", lambda settings, out, api: pair("vllm-grpc-worker", "vllm-grpc"))
-    monkeypatch.setattr(
-        runner, "start_phasescope",
-        lambda settings, path, api, token_ids_only: (
-            FakeServer("phasescope-server", log, pid=42),
-            FakeTarget("phasescope", log, address="127.0.0.1:7", metrics_url="http://127.0.0.1:8/metrics"),
-        ),
-    )  # fmt: skip
+    servers = iter(range(42, 100))
+
+    def start_phasescope(
+        settings: EngineSettings, path: Path, server: ServeVariant, api: str, token_ids_only: bool
+    ) -> tuple[FakeServer, FakeTarget]:
+        pid = next(servers)
+        target = FakeTarget(server.name, log, address=f"127.0.0.1:{pid}", metrics_url=f"http://127.0.0.1:{pid}/metrics")
+        return FakeServer(f"{server.name}-server", log, pid=pid), target
+
+    monkeypatch.setattr(runner, "start_phasescope", start_phasescope)
     monkeypatch.setattr(
         runner, "PhasescopeTarget",
         lambda address, metrics_url, pid, api, token_ids_only: FakeTarget("phasescope", log, address=address,
@@ -91,8 +94,8 @@ def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> 
     )  # fmt: skip
     monkeypatch.setattr(
         runner, "phasescope_engine_target",
-        lambda address, metrics_url, pid, tokenizer, api: FakeTarget(
-            "phasescope-vllm-grpc", log, address=address, metrics_url=metrics_url, pid=pid, tokenizer=tokenizer),
+        lambda address, metrics_url, pid, tokenizer, api, server: FakeTarget(
+            f"{server}-vllm-grpc", log, address=address, metrics_url=metrics_url, pid=pid, tokenizer=tokenizer),
     )  # fmt: skip
     monkeypatch.setattr(runner, "endpoint_tokenizer", lambda address: f"tokenizer of {address}")
     monkeypatch.setattr(
@@ -108,7 +111,9 @@ def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> 
         async with contextlib.AsyncExitStack() as stack:
             return await runner._targets(config, SETTINGS if config.starts_servers else None, stack)
 
-    return asyncio.run(started()), log
+    targets = asyncio.run(started())
+    assert [target.name for target in targets] == config.target_names
+    return targets, log
 
 
 def test_compare_adds_the_engine_protocol_pair_after_todays_three(
@@ -148,3 +153,19 @@ def test_named_endpoints_are_measured_as_they_are(tmp_path: Path, monkeypatch: p
     assert targets[1].seen["tokenizer"] == "/models/other"
     targets, _ = targets_of(monkeypatch, tmp_path)
     assert [t.name for t in targets] == ["phasescope"]
+
+
+def test_variants_start_more_phasescope_servers_each_measured_over_both_protocols(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flags = ("--compare", "--compare-protocol", "engine", "--serve-args", "PYTHONSAFEPATH=1 PYTHONPATH=/before",
+             "--variant", "uvloop=--event-loop uvloop")  # fmt: skip
+    targets, log = targets_of(monkeypatch, tmp_path, *flags)
+    assert [t.name for t in targets] == ["vllm-grpc", "phasescope-vllm-grpc", "uvloop-vllm-grpc"]
+    # Each server's pid, address and /metrics go to its engine-protocol target.
+    assert [t.seen["pid"] for t in targets[1:]] == [42, 43]
+    assert targets[2].address == "127.0.0.1:43"
+    assert ("start", "uvloop-server") in log
+    assert ("stop", "uvloop-server") in log
+    targets, _ = targets_of(monkeypatch, tmp_path, "--variant", "b=--event-loop asyncio")
+    assert [t.name for t in targets] == ["phasescope", "b"]
