@@ -28,8 +28,9 @@ from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_m
 from phasescope.engine.request import SamplingSpec
 from phasescope.serve.config import Settings
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.attribution import attribute_step
-from phasescope.telemetry.step.records import StepForwarder, StepRecord
+from phasescope.telemetry.step.records import StepForwarder, StepRecord, StepReport
 
 DECODERS = 4
 
@@ -61,13 +62,20 @@ async def measure(prompts: int, prompt_tokens: int, decode_seconds: float) -> di
     from phasescope.engine.vllm.engine import VllmEngine
 
     recorded: list[tuple[float, StepRecord]] = []
+
+    def keep(report: StepReport) -> None:
+        if report.step is not None:
+            recorded.append((time.monotonic(), report.step))
+
     forward = StepForwarder()
-    forward.sink = lambda step: recorded.append((time.monotonic(), step))
-    # The server's own engine, configured as `phasescope serve` configures it.
+    forward.sink = keep
+    # The server's own engine, configured as `phasescope serve` configures it (vLLM's own series, held in the
+    # pipeline, are not read here).
     settings = Settings(enforce_eager=True, max_model_len=2048, kv_cache_gib=1.0)
     engine = await asyncio.to_thread(
-        VllmEngine.start, settings.engine_options(), str(ensure_default_model()), DEFAULT_MODEL_NAME, forward
-    )
+        VllmEngine.start, settings.engine_options(), str(ensure_default_model()), DEFAULT_MODEL_NAME, forward,
+        TelemetryPipeline(),
+    )  # fmt: skip
     try:
         stop = asyncio.Event()
         all_decoding = asyncio.Event()

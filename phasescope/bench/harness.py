@@ -209,16 +209,14 @@ class PhasescopeProcess(ManagedProcess):
         *,
         env: Mapping[str, str] | None = None,
         cwd: Path | None = None,
-        module: str = "phasescope",
     ) -> None:
-        """`module` is what `python -m` runs with `serve` (a study's wrapper around phasescope's CLI)."""
         self.port = free_port()
         self.metrics_port = free_port()
         self.address = f"127.0.0.1:{self.port}"
         self.metrics_url = f"http://127.0.0.1:{self.metrics_port}/metrics"
         # Each distinct health answer seen while waiting, in order (UNREACHABLE, NOT_SERVING, SERVING).
         self.health_history: list[str] = []
-        command = [sys.executable, "-m", module, "serve", "--port", str(self.port),
+        command = [sys.executable, "-m", "phasescope", "serve", "--port", str(self.port),
                    "--metrics-port", str(self.metrics_port), *serve_args]  # fmt: skip
         super().__init__(command, log_path, env=env, cwd=cwd)
 

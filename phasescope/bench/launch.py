@@ -94,17 +94,15 @@ VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 
 
 def start_vllm_grpc(
-    settings: EngineSettings, out: Path, api: str = "prompt", *, wrapper: str | None = None
+    settings: EngineSettings, out: Path, api: str = "prompt"
 ) -> tuple[ManagedProcess, VllmEngineTarget]:
     """vLLM's own gRPC worker (`vllm.entrypoints.launchers.grpc_server`, smg-grpc-servicer's VllmEngine over
     AsyncLLM) on the engine settings of `start_openai`, its log in `out`; ready once its grpc.health.v1 says
     the engine service is SERVING (NOT_SERVING until the engine answers and any planned warm-up is done: off
-    here unless $SMG_VLLM_SERVICER_WARMUP says otherwise). `wrapper` is a module `python -m` runs instead, with the
-    launcher's module name and then its arguments (a study's instrumented run of the same worker)."""
+    here unless $SMG_VLLM_SERVICER_WARMUP says otherwise)."""
     port = free_port()
-    launcher = ["-m", wrapper, VLLM_GRPC_LAUNCHER] if wrapper else ["-m", VLLM_GRPC_LAUNCHER]
     command = [
-        sys.executable, *launcher, "--model", settings.model,
+        sys.executable, "-m", VLLM_GRPC_LAUNCHER, "--model", settings.model,
         "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
         "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
