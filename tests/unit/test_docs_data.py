@@ -1,8 +1,9 @@
 """docs/data against the Markdown that points into it (docs/data/README.md).
 
-Every `docs/data/...` path and relative link in a `*.md` of the checkout names something, raw results
-under docs/data are compressed (reproducibly: no file name or time in a gzip header), and every study
-folder there has a README saying what it is and how it was made.
+Every `docs/data/...` path and relative link in a `*.md` of the checkout names something, every study
+folder there is cited by a document outside it and has a README saying what it is and how it was made,
+the folder stays within its budget, and raw results are compressed (reproducibly: no file name or time in
+a gzip header). Cheap on every run: gzip headers are read, and only small files decompressed whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,10 @@ RAW_SUFFIXES = {".json", ".jsonl"}
 LARGE_CSV = 64 * 1024  # a small table reads well in a diff; a large one is raw results
 DATA_PATH = re.compile(r"(?<![\w./-])docs/data(?:/[\w.*-]+)*/?")
 LINK = re.compile(r"\]\(<?([^)\s>]+)>?(?:\s+\"[^\"]*\")?\)")
+GZIP_MAGIC = b"\x1f\x8b\x08"  # gzip, deflate
 GZIP_FNAME = 0x08  # the header flag: a file name follows the fixed header
+BUDGET_BYTES = 2 * 1024 * 1024  # what the docs cite, not every study ever run (the history keeps those)
+DECOMPRESS_WHOLE = 64 * 1024  # larger results: their header is checked, not every byte
 
 Target = tuple[str, Path]  # as written, and the folder it is relative to
 Targets = Callable[[Path, str], list[Target]]
@@ -108,28 +112,46 @@ def test_no_raw_results_under_docs_data_are_left_uncompressed() -> None:
     assert not raw, f"write them as NAME.json.gz (or gzip -9 -n them): {raw}"
 
 
-def test_no_gzip_under_docs_data_carries_a_file_name_or_a_time() -> None:
-    # Without either, the same JSON compresses to the same bytes: a result changes in git only when its data does.
-    stamped = []
+def gzip_headers() -> dict[Path, bytes]:
+    headers = {}
     for path in data_files():
         if path.suffix == ".gz":
-            header = path.read_bytes()[:10]
-            if header[3] & GZIP_FNAME or any(header[4:8]):
-                stamped.append(str(path.relative_to(ROOT)))
+            with path.open("rb") as stream:
+                headers[path] = stream.read(10)
+    return headers
+
+
+def test_no_gzip_under_docs_data_carries_a_file_name_or_a_time() -> None:
+    # Without either, the same JSON compresses to the same bytes: a result changes in git only when its data does.
+    stamped = [str(path.relative_to(ROOT)) for path, header in gzip_headers().items()
+               if header[3] & GZIP_FNAME or any(header[4:8])]  # fmt: skip
     assert not stamped, f"recompress them with gzip -9 -n: {stamped}"
 
 
-def test_every_gzip_under_docs_data_decompresses() -> None:
-    broken = []
-    for path in data_files():
-        if path.suffix == ".gz":
+def test_every_gzip_under_docs_data_is_gzip_and_the_small_ones_decompress() -> None:
+    broken = [f"{path.relative_to(ROOT)}: not gzip" for path, header in gzip_headers().items()
+              if not header.startswith(GZIP_MAGIC)]  # fmt: skip
+    for path in gzip_headers():
+        if path.stat().st_size <= DECOMPRESS_WHOLE:
             try:
-                with gzip.open(path) as stream:
-                    while stream.read(1 << 20):
-                        pass
+                gzip.decompress(path.read_bytes())
             except (OSError, EOFError) as error:
                 broken.append(f"{path.relative_to(ROOT)}: {error}")
     assert not broken, "\n".join(broken)
+
+
+def test_docs_data_stays_within_its_budget() -> None:
+    total = sum(path.stat().st_size for path in data_files())
+    assert total <= BUDGET_BYTES, f"docs/data holds {total:,} bytes, over {BUDGET_BYTES:,}: keep what the docs cite"
+
+
+def test_every_study_folder_under_docs_data_is_cited_outside_it() -> None:
+    cited = " ".join(
+        md.read_text(encoding="utf-8") for md in markdown_files() if not md.is_relative_to(DATA)
+    )  # fmt: skip
+    # A link relative to docs/ (data/NAME/...) or a path from the checkout's root (docs/data/NAME/...).
+    uncited = sorted(folder.name for folder in DATA.iterdir() if folder.is_dir() and f"data/{folder.name}" not in cited)
+    assert not uncited, f"no document cites these folders; drop them (the history keeps them): {uncited}"
 
 
 def test_every_study_folder_under_docs_data_has_a_readme() -> None:
