@@ -7,7 +7,7 @@ import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
 
 from phasescope.client.client import Client, build_request
-from support.bad_input import BAD_ENGINE_REQUESTS, BAD_REQUESTS, raw_call
+from support.bad_input import BAD_ENGINE_REQUESTS, BAD_REQUESTS, MAX_MODEL_LEN, raw_call
 from support.servers import ServerProcess
 
 
@@ -71,3 +71,20 @@ def test_bad_engine_protocol_request_is_invalid_argument_naming_the_field(server
             sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=2),
         )  # fmt: skip
         assert list(engine.Generate(good))[-1].complete.completion_tokens == 2
+
+
+def test_what_vllms_worker_serves_on_its_protocol_is_served_here_too(server: ServerProcess) -> None:
+    """No request id, and max_tokens beyond the context: vLLM's worker serves both, so the gateway sends both."""
+    with grpc.insecure_channel(server.address) as channel:
+        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        without_id = vllm_engine_pb2.GenerateRequest(
+            tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
+            sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=2, ignore_eos=True),
+        )  # fmt: skip
+        assert list(engine.Generate(without_id))[-1].complete.completion_tokens == 2
+        to_the_end = vllm_engine_pb2.GenerateRequest(
+            request_id="long", tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[42] * (MAX_MODEL_LEN - 3)),
+            sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=MAX_MODEL_LEN, ignore_eos=True),
+        )  # fmt: skip
+        complete = list(engine.Generate(to_the_end))[-1].complete
+        assert (complete.completion_tokens, complete.finish_reason) == (3, "length")

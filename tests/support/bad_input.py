@@ -123,12 +123,10 @@ def _engine_request(
 
 # vLLM's engine protocol: what the gateway could send that this worker cannot serve, and the field named.
 BAD_ENGINE_REQUESTS: dict[str, tuple[vllm_engine_pb2.GenerateRequest, str]] = {
-    "no request id": (_engine_request(request_id=""), "request_id"),
     "no input": (vllm_engine_pb2.GenerateRequest(request_id="bad"), "input"),
     "empty token ids": (_engine_request(ids=()), "tokenized.input_ids"),
     "token id one past the vocabulary": (_engine_request(ids=(1, VOCAB)), "tokenized.input_ids[1]"),
     "prompt filling the context": (_engine_request(ids=(42,) * MAX_MODEL_LEN), "tokenized.input_ids"),
-    "max_tokens beyond the context": (_engine_request(max_tokens=MAX_MODEL_LEN), "sampling_params.max_tokens"),
     "top_p above 1": (_engine_request(top_p=1.5), "sampling_params.top_p"),
     "NaN temperature": (_engine_request(temperature=math.nan), "sampling_params.temperature"),
     "stop token outside the vocabulary": (_engine_request(stop_token_ids=[VOCAB]), "sampling_params.stop_token_ids[0]"),
