@@ -11,8 +11,8 @@ from prometheus_client.values import MutexValue
 
 def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
     """`histogram.observe(amount)` for each of `amounts` in order, with the same result to the bit (each
-    bucket's count, and the sum added up in the same order), in one pass: a held batch's thousands of
-    inter-token gaps cost tens of microseconds instead of a lock and a bucket search each.
+    bucket's count, and the sum added up in the same order), in one pass and under no lock per amount
+    (docs/benchmarks.md says what it measured as).
 
     `histogram` is a labelled child (or a histogram without labels), observed only by the caller while this
     runs. prometheus-client has no observe-many: this reads its bucket layout (`_upper_bounds`, `_buckets`,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
-from collections.abc import AsyncIterator, Callable, Coroutine
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -90,18 +90,9 @@ async def serving(engine: ScriptedEngine, api: str = "prompt") -> AsyncIterator[
         await server.stop(grace=None)
 
 
-def run(scenario: Callable[[], Coroutine[Any, Any, None]]) -> Callable[[], None]:
-    def test() -> None:
-        asyncio.run(scenario())
-
-    test.__name__ = scenario.__name__
-    return test
-
-
 REQUEST = BenchRequest(index=3, prompt="sun sea river", max_tokens=4)
 
 
-@run
 async def test_every_token_is_timed_at_its_chunk_and_the_counts_are_the_streams() -> None:
     engine = ScriptedEngine([[11], [12, 13], [14]])
     async with serving(engine) as target:
@@ -118,7 +109,6 @@ async def test_every_token_is_timed_at_its_chunk_and_the_counts_are_the_streams(
     assert record.prompt_tokens == 4  # the server's count: 1 (special) + 3 words
 
 
-@run
 async def test_the_request_carries_token_ids_greedy_ignore_eos_sampling_and_its_own_id() -> None:
     engine = ScriptedEngine([[11]])
     async with serving(engine) as target:
@@ -138,7 +128,6 @@ async def test_the_request_carries_token_ids_greedy_ignore_eos_sampling_and_its_
     assert first.request_id != second.request_id
 
 
-@run
 async def test_a_chat_goes_through_the_chat_template_without_added_special_tokens() -> None:
     engine = ScriptedEngine([[11]])
     async with serving(engine, api="chat") as target:
@@ -147,7 +136,6 @@ async def test_a_chat_goes_through_the_chat_template_without_added_special_token
     assert list(request.tokenized.input_ids) == [6, 3, 3, 5]  # "<user> sun sea river", no 1 in front
 
 
-@run
 async def test_an_rpc_error_is_raised_and_the_run_loop_counts_it() -> None:
     engine = ScriptedEngine([[11], [12]], fail=grpc.StatusCode.RESOURCE_EXHAUSTED)
     async with serving(engine) as target:
@@ -162,7 +150,6 @@ async def test_an_rpc_error_is_raised_and_the_run_loop_counts_it() -> None:
     assert "scripted failure" in failed.error
 
 
-@run
 async def test_an_aborted_request_or_a_stream_without_its_complete_fails() -> None:
     async with serving(ScriptedEngine([[11]], finish_reason="abort")) as target:
         with pytest.raises(RuntimeError, match="'abort'"):
@@ -172,7 +159,6 @@ async def test_an_aborted_request_or_a_stream_without_its_complete_fails() -> No
             await target.stream(REQUEST, RequestRecord(REQUEST.index, 0.0))
 
 
-@run
 async def test_the_cpu_seconds_are_the_serving_processes_and_none_without_one() -> None:
     async with serving(ScriptedEngine([[11]])) as target:
         seconds = target.frontend_cpu_seconds()

@@ -43,11 +43,11 @@ def config(tmp_path: Path, *flags: str) -> BenchConfig:
     return from_args(build_parser().parse_args(argv), argv)
 
 
-def test_points_interleave_targets_repeat_by_repeat_with_the_same_prompts(tmp_path: Path) -> None:
+async def test_points_interleave_targets_repeat_by_repeat_with_the_same_prompts(tmp_path: Path) -> None:
     calls: list[tuple[str, str]] = []
     targets = [ScriptedTarget("a", calls), ScriptedTarget("b", calls)]
     bench = Bench(config(tmp_path, "--concurrency", "1,2", "--repeats", "2"), targets)
-    asyncio.run(bench.sweep())
+    await bench.sweep()
     # Point 1: repeat 1 on a then b, repeat 2 on b then a (no target always second); then point 2 likewise.
     assert [name for name, _ in calls] == ["a", "a", "b", "b", "b", "b", "a", "a"] * 2
     runs = [calls[i : i + 4] for i in range(0, 16, 4)]
@@ -67,7 +67,7 @@ def test_points_interleave_targets_repeat_by_repeat_with_the_same_prompts(tmp_pa
 SETTLE = 0.0123  # a pause no target takes, to count the settles
 
 
-def test_each_round_runs_every_target_once_on_its_prompts_in_alternating_order_after_a_settle(
+async def test_each_round_runs_every_target_once_on_its_prompts_in_alternating_order_after_a_settle(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     settles: list[float] = []
@@ -82,7 +82,7 @@ def test_each_round_runs_every_target_once_on_its_prompts_in_alternating_order_a
     calls: list[tuple[str, str]] = []
     targets = [ScriptedTarget("vllm-grpc", calls), ScriptedTarget("phasescope-vllm-grpc", calls, limit=-1)]
     bench = Bench(config(tmp_path, "--concurrency", "1", "--rounds", "4", "--settle", str(SETTLE)), targets)
-    asyncio.run(bench.sweep())
+    await bench.sweep()
     order = [name for name, _ in calls[::2]]  # two requests a run
     assert order == ["vllm-grpc", "phasescope-vllm-grpc", "phasescope-vllm-grpc", "vllm-grpc"] * 2
     rounds = [calls[i : i + 4] for i in range(0, 16, 4)]
@@ -91,7 +91,7 @@ def test_each_round_runs_every_target_once_on_its_prompts_in_alternating_order_a
     assert len({round_[0][1] for round_ in rounds}) == 4
     assert len(settles) == 8  # before every run: a point with several targets
     alone = Bench(config(tmp_path, "--concurrency", "1", "--rounds", "2", "--settle", str(SETTLE)), targets[:1])
-    asyncio.run(alone.sweep())
+    await alone.sweep()
     assert len(settles) == 8  # one target: nothing to wait for
     (row,) = round_ratios(collect_rounds([bench.points]), "vllm-grpc")
     assert (row["target"], row["rounds"]) == ("phasescope-vllm-grpc", 4)
@@ -116,13 +116,13 @@ class LoadAwareTarget(ScriptedTarget):
             self.load = 0
 
 
-def test_an_sla_search_on_concurrency_brackets_each_targets_limit(tmp_path: Path) -> None:
+async def test_an_sla_search_on_concurrency_brackets_each_targets_limit(tmp_path: Path) -> None:
     calls: list[tuple[str, str]] = []
     targets = [LoadAwareTarget("a", calls, limit=5), LoadAwareTarget("b", calls, limit=2)]
     settings = config(tmp_path, "--requests", "16", "--slo", "ttft_ms=1000", "--sla-search", "concurrency",
                       "--max-points", "10")  # fmt: skip
     bench = Bench(settings, targets)
-    asyncio.run(bench.search())
+    await bench.search()
     plans = bench.plans
     assert plans["a"]["bracket"] == [5.0, 6.0]
     assert plans["b"]["bracket"] == [2.0, 3.0]
@@ -132,7 +132,7 @@ def test_an_sla_search_on_concurrency_brackets_each_targets_limit(tmp_path: Path
     assert all("search_passed" in point for point in bench.points)
 
 
-def test_a_burst_point_sends_whole_waves_at_once_and_the_next_only_after_the_last_ends(tmp_path: Path) -> None:
+async def test_a_burst_point_sends_whole_waves_at_once_and_the_next_only_after_the_last_ends(tmp_path: Path) -> None:
     class Waves(ScriptedTarget):
         def __init__(self) -> None:
             super().__init__("w", [])
@@ -148,14 +148,14 @@ def test_a_burst_point_sends_whole_waves_at_once_and_the_next_only_after_the_las
 
     target = Waves()
     bench = Bench(config(tmp_path, "--concurrency", "", "--bursts", "4", "--requests", "10"), [target])
-    asyncio.run(bench.sweep())
+    await bench.sweep()
     # Waves of 4, 4 and 2: each starts with nothing open, and all of a wave start before any of it ends.
     assert target.opened_with == [0, 1, 2, 3, 0, 1, 2, 3, 0, 1]
     point = bench.points[0]
     assert (point["load"], point["value"], point["completed"]) == ("burst", 4.0, 10)
 
 
-def test_a_rate_sweep_stops_at_the_first_over_saturated_point(tmp_path: Path) -> None:
+async def test_a_rate_sweep_stops_at_the_first_over_saturated_point(tmp_path: Path) -> None:
     class Backlogged(ScriptedTarget):
         """Finishes one request every 50 ms whatever the rate: capacity 20 requests/s."""
 
@@ -171,7 +171,7 @@ def test_a_rate_sweep_stops_at_the_first_over_saturated_point(tmp_path: Path) ->
             record.output_tokens = 2
 
     bench = Bench(config(tmp_path, "--concurrency", "", "--rates", "10,80,160", "--requests", "40"), [Backlogged()])
-    asyncio.run(bench.sweep())
+    await bench.sweep()
     assert [p["value"] for p in bench.points] == [10.0, 80.0]
     stop = bench.plans["slow"]["saturation_stop"]
     assert stop["value"] == 80.0
@@ -243,7 +243,7 @@ class SlowTarget(ScriptedTarget):
 
 
 @pytest.mark.parametrize(("interval", "least", "most"), [("0.1", 4, 7), ("0", 1, 1)])
-def test_a_server_without_phasescope_metrics_is_still_scraped_on_the_runs_cadence(
+async def test_a_server_without_phasescope_metrics_is_still_scraped_on_the_runs_cadence(
     tmp_path: Path, interval: str, least: int, most: int
 ) -> None:
     # vLLM's OpenAI server pays for its /metrics as phasescope does, or front-end CPU compares unequal work.
@@ -252,7 +252,7 @@ def test_a_server_without_phasescope_metrics_is_still_scraped_on_the_runs_cadenc
         target = SlowTarget("openai-like", [])
         target.scrape_url = endpoint.url
         bench = Bench(config(tmp_path, "--concurrency", "2", "--scrape-interval", interval), [target])
-        asyncio.run(bench.sweep())
+        await bench.sweep()
     finally:
         endpoint.close()
     run = bench.points[0]["runs"][0]

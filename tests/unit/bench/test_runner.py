@@ -1,7 +1,6 @@
 """What a bench run writes: its raw results gzipped, from the typed configuration (the targets faked); which
 targets the flags start and measure, in order (the servers faked)."""
 
-import asyncio
 import contextlib
 import gzip
 import json
@@ -66,7 +65,9 @@ class FakeServer:
 SETTINGS = EngineSettings("/models/m", "m", "float32", 2048, 2.0, 64)
 
 
-def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> tuple[list[Any], list[tuple[str, str]]]:
+async def targets_of(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str
+) -> tuple[list[Any], list[tuple[str, str]]]:
     """The targets a run of `flags` measures, in order, each server started faked; and what was started,
     stopped and closed (the exit stack unwound)."""
     log: list[tuple[str, str]] = []
@@ -107,19 +108,16 @@ def targets_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, *flags: str) -> 
     argv = ["bench", "--output-dir", str(tmp_path), *flags]
     config = from_args(build_parser().parse_args(argv), argv)
 
-    async def started() -> list[Any]:
-        async with contextlib.AsyncExitStack() as stack:
-            return await runner._targets(config, SETTINGS if config.starts_servers else None, stack)
-
-    targets = asyncio.run(started())
+    async with contextlib.AsyncExitStack() as stack:
+        targets = await runner._targets(config, SETTINGS if config.starts_servers else None, stack)
     assert [target.name for target in targets] == config.target_names
     return targets, log
 
 
-def test_compare_adds_the_engine_protocol_pair_after_todays_three(
+async def test_compare_adds_the_engine_protocol_pair_after_todays_three(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    targets, log = targets_of(monkeypatch, tmp_path, "--compare")
+    targets, log = await targets_of(monkeypatch, tmp_path, "--compare")
     assert [t.name for t in targets] == ["in-process", "vllm-openai", "phasescope", "vllm-grpc",
                                          "phasescope-vllm-grpc"]  # fmt: skip
     phasescope, engine = targets[2], targets[4]
@@ -131,41 +129,41 @@ def test_compare_adds_the_engine_protocol_pair_after_todays_three(
     assert sorted(t.name for t in targets) == sorted(name for event, name in log if event == "close")
 
 
-def test_compare_protocol_narrows_the_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    targets, _ = targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "phasescope")
+async def test_compare_protocol_narrows_the_peers(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    targets, _ = await targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "phasescope")
     assert [t.name for t in targets] == ["in-process", "vllm-openai", "phasescope"]
-    targets, log = targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "engine")
+    targets, log = await targets_of(monkeypatch, tmp_path, "--compare", "--compare-protocol", "engine")
     assert [t.name for t in targets] == ["vllm-grpc", "phasescope-vllm-grpc"]
     # phasescope's server serves the pair's second half; its phasescope.v1 target is closed unmeasured.
     assert ("stop", "phasescope-server") in log
     assert ("close", "phasescope") in log
 
 
-def test_named_endpoints_are_measured_as_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_named_endpoints_are_measured_as_they_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     flags = ("--vllm-grpc-address", "127.0.0.1:9", "--gateway-url", "http://127.0.0.1:10")
-    targets, log = targets_of(monkeypatch, tmp_path, *flags)
+    targets, log = await targets_of(monkeypatch, tmp_path, *flags)
     assert [t.name for t in targets] == ["vllm-grpc-endpoint", "gateway"]
     assert not [event for event in log if event[0] == "start"]  # nothing started
     assert targets[0].seen == {"address": "127.0.0.1:9", "tokenizer": "tokenizer of 127.0.0.1:9"}
     assert targets[1].address == "http://127.0.0.1:10"
-    targets, _ = targets_of(monkeypatch, tmp_path, *flags, "--model", "/models/other", "--address", "127.0.0.1:7")
+    targets, _ = await targets_of(monkeypatch, tmp_path, *flags, "--model", "/models/other", "--address", "127.0.0.1:7")
     assert [t.name for t in targets] == ["phasescope", "vllm-grpc-endpoint", "gateway"]
     assert targets[1].seen["tokenizer"] == "/models/other"
-    targets, _ = targets_of(monkeypatch, tmp_path)
+    targets, _ = await targets_of(monkeypatch, tmp_path)
     assert [t.name for t in targets] == ["phasescope"]
 
 
-def test_variants_start_more_phasescope_servers_each_measured_over_both_protocols(
+async def test_variants_start_more_phasescope_servers_each_measured_over_both_protocols(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     flags = ("--compare", "--compare-protocol", "engine", "--serve-args", "PYTHONSAFEPATH=1 PYTHONPATH=/before",
              "--variant", "uvloop=--event-loop uvloop")  # fmt: skip
-    targets, log = targets_of(monkeypatch, tmp_path, *flags)
+    targets, log = await targets_of(monkeypatch, tmp_path, *flags)
     assert [t.name for t in targets] == ["vllm-grpc", "phasescope-vllm-grpc", "uvloop-vllm-grpc"]
     # Each server's pid, address and /metrics go to its engine-protocol target.
     assert [t.seen["pid"] for t in targets[1:]] == [42, 43]
     assert targets[2].address == "127.0.0.1:43"
     assert ("start", "uvloop-server") in log
     assert ("stop", "uvloop-server") in log
-    targets, _ = targets_of(monkeypatch, tmp_path, "--variant", "b=--event-loop asyncio")
+    targets, _ = await targets_of(monkeypatch, tmp_path, "--variant", "b=--event-loop asyncio")
     assert [t.name for t in targets] == ["phasescope", "b"]
