@@ -13,6 +13,7 @@ from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSo
 from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
+from phasescope.telemetry.model.speculation import MAX_SPECULATIVE_TOKENS, Speculation
 
 if TYPE_CHECKING:
     from phasescope.cli import Subparsers
@@ -77,6 +78,16 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         type=float,
         help="price of one device per hour: adds the cost of a million decoded tokens at each batch size",
     )
+    parser.add_argument(
+        "--speculative-tokens",
+        type=int,
+        help="speculative decoding: tokens drafted per step (k ≥ 1; with --acceptance-rate), for a free drafter",
+    )
+    parser.add_argument(
+        "--acceptance-rate",
+        type=float,
+        help="speculative decoding: chance each drafted token is accepted, in [0, 1) (with --speculative-tokens)",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
     parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
@@ -122,6 +133,18 @@ def _cost_and_peaks(args: argparse.Namespace, served: HardwarePeaks | None) -> t
     peaks = peaks.with_overrides(args.peak_memory_bandwidth, args.peak_flops, args.device_memory)
     peaks.peak_flops(args.dtype)  # a dtype the device has no figure for is refused here, by name
     return cost, peaks
+
+
+def _speculation_args(args: argparse.Namespace) -> tuple[int | None, float | None]:
+    """--speculative-tokens and --acceptance-rate, both or neither; ValueError names the flag at fault."""
+    tokens, rate = args.speculative_tokens, args.acceptance_rate
+    if (tokens is None) != (rate is None):
+        raise ValueError("--speculative-tokens and --acceptance-rate go together: give both or neither")
+    if tokens is not None and tokens < 1:
+        raise ValueError(f"--speculative-tokens must be at least 1, got {tokens}")
+    if rate is not None and not 0 <= rate < 1:
+        raise ValueError(f"--acceptance-rate must be in [0, 1), got {rate}")
+    return tokens, rate
 
 
 def served_peaks(samples: Samples) -> HardwarePeaks | None:
@@ -268,6 +291,50 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
         f"({report.prefill_bound}-bound)",
         file=out,
     )
+    if report.speculation is not None:
+        print_speculation(report.speculation)
+
+
+def print_speculation(spec: Speculation) -> None:
+    out = sys.stdout
+    k, rate = spec.speculative_tokens, spec.acceptance_rate
+    print(
+        f"speculative decoding, k = {k} drafted tokens at acceptance {rate:g} (a free drafter: the upper bound): "
+        f"{spec.speculative_tokens_per_step:.4f} tokens emitted per verify step = (1 − a^(k+1)) ÷ (1 − a)",
+        file=out,
+    )
+    print(
+        f"verify step: {k + 1} positions per sequence through one weight read; time = max(bytes ÷ peak bytes/s, "
+        "FLOPs ÷ peak FLOP/s); tok/s = tokens per step ÷ time",
+        file=out,
+    )
+    header = ("batch", "tok/s/seq", "tok/s total", "× decode", "TFLOP/s", "FLOP/byte", "bound")
+    print("".join(f"{h:>13}" for h in header), file=out)
+    for row in spec.rows:
+        cells = (
+            f"{row.batch_size}",
+            f"{row.speculative_tokens_per_second_per_sequence:,.2f}",
+            f"{row.speculative_tokens_per_second_total:,.1f}",
+            f"{row.speculative_speedup_ratio:.2f}",
+            f"{row.speculative_achieved_flops_per_second / 1e12:,.3f}",
+            f"{row.speculative_arithmetic_intensity_flops_per_byte:,.1f}",
+            row.speculative_bound,
+        )
+        print("".join(f"{c:>13}" for c in cells), file=out)
+    print(
+        f"best k at acceptance {rate:g}, batch {spec.best_speculative_tokens_batch_size}: "
+        f"{spec.best_speculative_tokens} ({spec.best_speculative_tokens_per_step:.4f} tokens per step; "
+        f"k searched 1..{MAX_SPECULATIVE_TOKENS})",
+        file=out,
+    )
+    stops = spec.speculation_stops_helping_batch_size
+    largest = max((row.batch_size for row in spec.rows), default=0)
+    print(
+        f"speculation stops helping at batch {stops}: from there its tok/s per sequence are no more than plain decode's"
+        if stops is not None
+        else f"speculation still helps at batch {largest:,}, the largest here",
+        file=out,
+    )
 
 
 def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None:
@@ -279,16 +346,20 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
     bandwidth = report.peak_memory_bandwidth_bytes_per_second
     peak = report.peak_flops
     intensities = [row.arithmetic_intensity_flops_per_byte for row in report.rows]
+    spec = report.speculation
+    spec_rows = spec.rows if spec is not None else ()
+    spec_intensities = [row.speculative_arithmetic_intensity_flops_per_byte for row in spec_rows]
     walls = [report.capacity_row.arithmetic_intensity_flops_per_byte] if report.capacity_row is not None else []
     low = min(
         [
             *intensities,
+            *spec_intensities,
             *walls,
             report.ridge_point_flops_per_byte,
             *(p["arithmetic_intensity_flops_per_byte"] for p in live),
         ]
     )
-    high = max([*intensities, *walls, report.ridge_point_flops_per_byte])
+    high = max([*intensities, *spec_intensities, *walls, report.ridge_point_flops_per_byte])
     x_low, x_high = low / 4, high * 4
     figure, axes = plt.subplots(figsize=(8, 5.5), dpi=100)
     xs = [x_low * (x_high / x_low) ** (i / 200) for i in range(201)]
@@ -335,6 +406,29 @@ def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None
     axes.set_ylabel("FLOP/s")
     axes.set_title(f"roofline: {report.device}, {report.dtype} ({report.peak_source} peaks)")
     axes.grid(True, which="both", alpha=0.3)
+    if spec is not None:
+        # The verify steps of the same batches: k + 1 positions per sequence through one weight read,
+        # so (k + 1) × the intensity and FLOP/s while memory-bound.
+        axes.scatter(
+            spec_intensities,
+            [row.speculative_achieved_flops_per_second for row in spec_rows],
+            color="tab:green",
+            marker="D",
+            zorder=3,
+            label=f"speculative verify (k={spec.speculative_tokens}, a={spec.acceptance_rate:g})",
+        )
+        for spec_row in spec_rows:
+            axes.annotate(
+                f"B={spec_row.batch_size}",
+                (
+                    spec_row.speculative_arithmetic_intensity_flops_per_byte,
+                    spec_row.speculative_achieved_flops_per_second,
+                ),
+                textcoords="offset points",
+                xytext=(-28, 2),
+                fontsize=7,
+                color="tab:green",
+            )
     axes.legend(loc="lower right")
     figure.tight_layout()
     figure.savefig(path)
@@ -388,6 +482,11 @@ def cmd(args: argparse.Namespace) -> int:
     if not batch_sizes or min(batch_sizes) < 1 or args.context < 0 or args.prompt_tokens < 1:
         print("phasescope roofline: batch sizes and --prompt-tokens must be ≥ 1, --context ≥ 0", file=sys.stderr)
         return 2
+    try:
+        speculative_tokens, acceptance_rate = _speculation_args(args)
+    except ValueError as exc:
+        print(f"phasescope roofline: {exc}", file=sys.stderr)
+        return 2
     report = roofline(
         cost,
         peaks,
@@ -396,6 +495,8 @@ def cmd(args: argparse.Namespace) -> int:
         context_length=args.context,
         prefill_tokens=args.prompt_tokens,
         memory_utilization=args.gpu_memory_utilization,
+        speculative_tokens=speculative_tokens,
+        acceptance_rate=acceptance_rate,
     )
     fits = report.capacity is None or report.capacity.weights_fit
     if not fits and not args.json:

@@ -123,8 +123,11 @@ def min_tensor_parallel_size(
 def binding_wall(capacity: Capacity, compute_bound_batch_size: int | None) -> Wall:
     """Which wall a growing decode batch hits first: the KV cache full ("capacity") or the compute roof.
 
-    Capacity binds when fewer sequences fit than the batch at which decode turns compute-bound (or
-    decode never turns compute-bound); a model with no KV figure is only ever compute-bound here."""
+    Capacity binds when the weights do not fit (no batch runs at all), or when fewer sequences fit
+    than the batch at which decode turns compute-bound (or decode never turns compute-bound); a model
+    that fits but has no KV figure is only ever compute-bound here."""
+    if not capacity.weights_fit:
+        return "capacity"
     fit = capacity.max_sequences_at_context
     if fit is None:
         return "compute"

@@ -3,6 +3,7 @@
 Decode streams every weight (and each sequence's KV cache) from memory once
 per step while doing ~2 FLOPs per weight per sequence, so it is bounded by
 bandwidth until the batch is large enough for the FLOPs to catch up.
+Speculative decoding (`speculation`) spends that idle compute on drafted tokens.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Any
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION, Capacity, Wall, binding_wall, capacity
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.model.speculation import Speculation, speculation
 
 DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512)
 
@@ -65,6 +67,8 @@ class RooflineReport:
     """Memory on each device and the KV cache beside the weights; None when the device's memory is unknown."""
     capacity_row: DecodeRow | None = None
     """The decode step of the largest batch whose KV cache fits at the context (the capacity wall)."""
+    speculation: Speculation | None = None
+    """Speculative decoding at k drafted tokens and an acceptance rate; None when not asked for."""
 
     @property
     def binding_wall(self) -> Wall | None:
@@ -78,6 +82,7 @@ class RooflineReport:
         data["rows"] = [asdict(row) for row in self.rows]
         cap = self.capacity
         data.pop("capacity")
+        data.pop("speculation")
         data["capacity_row"] = asdict(self.capacity_row) if self.capacity_row is not None else None
         data.update(
             device_memory_bytes=cap.device_memory_bytes if cap else None,
@@ -90,6 +95,12 @@ class RooflineReport:
             max_sequences_at_context=cap.max_sequences_at_context if cap else None,
             binding_wall=self.binding_wall,
         )
+        spec = self.speculation
+        if spec is not None:
+            # Top level: k, a, E, the best k and where speculation stops helping; each row: its verify step.
+            data.update({key: value for key, value in asdict(spec).items() if key != "rows"})
+            for row, spec_row in zip(data["rows"], spec.rows, strict=True):
+                row.update({key: value for key, value in asdict(spec_row).items() if key != "batch_size"})
         return data
 
     def cost_per_million_tokens(self, cost_per_hour: float) -> list[float]:
@@ -183,9 +194,16 @@ def roofline(
     context_length: int = 0,
     prefill_tokens: int = 1024,
     memory_utilization: float = DEFAULT_GPU_MEMORY_UTILIZATION,
+    speculative_tokens: int | None = None,
+    acceptance_rate: float | None = None,
 ) -> RooflineReport:
     """`peaks.memory_bytes`, when known, adds the capacity wall: whether the weights fit, the KV cache
-    beside them within `memory_utilization` of the memory, and which rows' batches fit in it."""
+    beside them within `memory_utilization` of the memory, and which rows' batches fit in it.
+
+    `speculative_tokens` and `acceptance_rate`, given together, add speculative decoding's figures
+    beside each row (`speculation`)."""
+    if (speculative_tokens is None) != (acceptance_rate is None):
+        raise ValueError("speculative_tokens and acceptance_rate go together: give both or neither")
     prefill_seconds, prefill_bound = prefill_time(cost, peaks, dtype, prefill_tokens)
     cap = capacity(cost, peaks.memory_bytes, context_length, memory_utilization) if peaks.memory_bytes else None
     rows = tuple(decode_step(cost, peaks, dtype, batch, context_length) for batch in batch_sizes)
@@ -194,6 +212,10 @@ def roofline(
         rows = tuple(replace(row, fits_in_kv_capacity=fit is None or row.batch_size <= fit) for row in rows)
         if not cap.weights_fit:
             rows = ()
+    spec = None
+    if speculative_tokens is not None and acceptance_rate is not None:
+        batches = tuple(row.batch_size for row in rows)
+        spec = speculation(cost, peaks, dtype, batches, context_length, speculative_tokens, acceptance_rate)
     wall = None
     if cap is not None and cap.max_sequences_at_context:
         wall = decode_step(cost, peaks, dtype, cap.max_sequences_at_context, context_length)
@@ -219,4 +241,5 @@ def roofline(
         rows=rows,
         capacity=cap,
         capacity_row=wall,
+        speculation=spec,
     )

@@ -34,6 +34,8 @@ def test_a_model_that_does_not_fit_says_so_on_one_line_and_names_the_tp_that_wou
     data = json.loads(capsys.readouterr().out)
     assert (data["weights_fit"], data["min_tensor_parallel_size"], data["rows"]) == (False, 2, [])
     assert data["device_memory_bytes"] == 80 * 2**30
+    # Guards a bug: this said "compute"; with no batch able to run, capacity binds.
+    assert data["binding_wall"] == "capacity"
 
 
 def test_the_kv_capacity_marks_the_batches_that_do_not_fit_and_names_the_binding_wall(
@@ -209,3 +211,56 @@ def test_a_negative_price_is_one_line(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--cost-per-hour must be 0 or more" in refusal(
         ["roofline", "--params", "1e9", "--cost-per-hour", "-1"], capsys
     )
+
+
+SPECULATIVE_70B = ["roofline", "--params", "70e9", "--hardware", "h100-sxm", "--tensor-parallel-size", "2"]
+SPECULATIVE_70B += ["--speculative-tokens", "4", "--acceptance-rate", "0.7"]
+
+
+def test_speculation_reports_tokens_per_step_the_best_k_and_where_it_stops_helping(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # tests/unit/telemetry/model/test_speculation.py derives these: E = (1 − 0.7⁵) ÷ 0.3 = 2.7731; the verify
+    # step of 5 tokens per sequence stays memory-bound to batch 59, and speculation loses from batch 164.
+    assert main([*SPECULATIVE_70B, "--batch-sizes", "1,64,256"]) == 0
+    out = capsys.readouterr().out
+    assert "2.7731 tokens emitted per verify step" in out
+    assert "best k at acceptance 0.7, batch 1: 16" in out
+    assert "speculation stops helping at batch 164" in out
+    # Batch 1: 2.7731 × 47.86 = 132.71 tok/s per sequence, 2.77 × plain decode, at 5 FLOP/byte.
+    batch_1 = next(line for line in out.splitlines() if line.split()[:2] == ["1", "132.71"])
+    assert batch_1.split()[3:] == ["2.77", "16.750", "5.0", "memory"]
+
+
+def test_speculation_in_json_beside_each_decode_row(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SPECULATIVE_70B, "--batch-sizes", "1,256", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["speculative_tokens_per_step"] == pytest.approx(2.7731)
+    assert (data["best_speculative_tokens"], data["speculation_stops_helping_batch_size"]) == (16, 164)
+    batch_1, batch_256 = data["rows"]
+    assert batch_1["speculative_tokens_per_second_per_sequence"] == pytest.approx(
+        2.7731 * batch_1["decode_tokens_per_second_per_sequence"]
+    )
+    assert (batch_1["speculation_helps"], batch_256["speculation_helps"]) == (True, False)
+
+
+def test_plot_draws_the_speculative_verify_steps_beside_decode(tmp_path: Path) -> None:
+    path = tmp_path / "roofline.png"
+    assert main([*SPECULATIVE_70B, "--plot", str(path)]) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--speculative-tokens", "4"], "--speculative-tokens and --acceptance-rate go together"),
+        (["--acceptance-rate", "0.7"], "--speculative-tokens and --acceptance-rate go together"),
+        (["--speculative-tokens", "0", "--acceptance-rate", "0.7"], "--speculative-tokens must be at least 1, got 0"),
+        (["--speculative-tokens", "4", "--acceptance-rate", "1"], "--acceptance-rate must be in [0, 1), got 1.0"),
+        (["--speculative-tokens", "4", "--acceptance-rate", "-0.5"], "--acceptance-rate must be in [0, 1), got -0.5"),
+    ],
+)
+def test_speculation_flags_out_of_range_or_alone_are_one_line_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in refusal(["roofline", "--params", "1e9", *flags], capsys)

@@ -124,3 +124,18 @@ def test_a_mixture_of_experts_holds_every_expert_and_fp8_weights_hold_one_byte_e
     assert found.weights_fit
     assert found.min_tensor_parallel_size == 1
     assert not capacity(model_cost_from_config(LLAMA_3_1_70B, None, "bfloat16"), H100, 4096).weights_fit
+
+
+def test_a_model_whose_weights_do_not_fit_is_bound_by_capacity_not_compute() -> None:
+    # Guards a bug: 70B in bf16 on one H100 (140 GB of weights against 77.3 GB usable) has no KV figure
+    # and no row, and binding_wall said "compute" — though no batch at all runs: capacity binds first.
+    cost = model_cost_from_numbers(70_000_000_000, "bf16")
+    found = capacity(cost, H100, context_length=0)
+    assert not found.weights_fit
+    assert binding_wall(found, compute_bound_batch_size(cost, h100(), "bf16", 0)) == "capacity"
+    report = roofline(cost, h100(), "bf16")
+    assert report.binding_wall == "capacity"
+    assert report.to_json()["binding_wall"] == "capacity"
+    # With the model's shape too (Llama 3.1 70B, 141 GB): no KV room at all, the same wall.
+    shaped = model_cost_from_config(LLAMA_3_1_70B, None, "bfloat16")
+    assert roofline(shaped, h100(), "bf16", context_length=4096).binding_wall == "capacity"
