@@ -33,10 +33,24 @@ class EngineOptions:
     distributed_executor_backend: str = ""
     kv_events_config: str = ""
     """vLLM's `KVEventsConfig` as a JSON object (empty: no KV-cache events)."""
+    speculative_config: str = ""
+    """vLLM's speculative decoding configuration as a JSON object (empty: off)."""
 
 
 class EngineConfigError(ValueError):
     """The engine refuses a configuration it was given (one line naming the setting and the field)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Speculative:
+    """How the engine speculates: its drafter and how many tokens it proposes a step."""
+
+    method: str
+    """vLLM's method: "ngram", "draft_model", "eagle", "mtp", …"""
+    num_speculative_tokens: int
+    """k: tokens the drafter proposes per sequence per step; a verify step checks k + 1 positions."""
+    draft_model: str = ""
+    """The drafter's weights, for a method that has a model (empty for n-gram)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +100,8 @@ class ModelDescription:
     kv_cache_dtype: str = "auto"
     kv_event_publishers: tuple[KvEventPublisher, ...] = ()
     """The engine's KV-cache event publishers, one per data-parallel rank (none: events are off)."""
+    speculative: Speculative | None = None
+    """Speculative decoding, when it is on."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +141,10 @@ class EngineStep:
     index: int = 0
     """The sample this step belongs to (0 to `SamplingSpec.n` − 1): each is its own sequence, whose
     counts and stamps are its own."""
+    drafted_tokens: int = 0
+    """On the sample's last step, under speculative decoding: the tokens its drafter proposed."""
+    accepted_tokens: int = 0
+    """On the sample's last step, under speculative decoding: the drafted tokens the verify steps kept."""
 
 
 class Engine(Protocol):

@@ -228,6 +228,11 @@ class Settings(BaseSettings):
     """vLLM's KV-cache event publisher, as JSON in vLLM's shape (--kv-events-config of vLLM), e.g.
     {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}: SubscribeKvEvents relays
     its events to the gateway, whose cache-aware policy then routes on the blocks each worker holds; empty: off."""
+    speculative_config: JsonObject = ""
+    """vLLM's speculative decoding, as JSON in vLLM's shape (--speculative-config of vLLM), e.g.
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model",
+    "model": PATH, "num_speculative_tokens": 3}: a drafter proposes tokens that one verify step checks
+    together; empty: off."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
     gc_young_threshold: NoneOrMore = 0
@@ -299,6 +304,7 @@ class Settings(BaseSettings):
             data_parallel_size=self.data_parallel_size,
             distributed_executor_backend=self.distributed_executor_backend,
             kv_events_config=self.kv_events_config,
+            speculative_config=self.speculative_config,
         )
 
 

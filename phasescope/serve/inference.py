@@ -306,6 +306,9 @@ class InferenceServicer:
             data_parallel_size=d.data_parallel_size,
             tensor_parallel_size=d.tensor_parallel_size,
             pipeline_parallel_size=d.pipeline_parallel_size,
+            speculative_method=d.speculative.method if d.speculative else "",
+            speculative_tokens=d.speculative.num_speculative_tokens if d.speculative else 0,
+            speculative_draft_model=d.speculative.draft_model if d.speculative else "",
         )
 
 

@@ -51,6 +51,8 @@ class SampleProgress:
         self.cached_prompt_tokens = 0
         self.finish_reason: str | None = None
         self.stamps: EngineTimestamps | None = None
+        self.drafted_tokens = 0
+        self.accepted_tokens = 0
         # The engine's interference totals at the sample's first token, and at its latest step.
         self._decode_start: Interference | None = None
         self._totals = NO_INTERFERENCE
@@ -189,6 +191,8 @@ class RequestLifecycle:
         sample.cached_prompt_tokens = step.cached_prompt_tokens
         if step.finish_reason is not None:
             sample.finish_reason = step.finish_reason
+        if step.drafted_tokens:
+            sample.drafted_tokens, sample.accepted_tokens = step.drafted_tokens, step.accepted_tokens
         if step.stamps is not None:
             sample.stamps = step.stamps
             if step.stamps.first_token_ts > 0.0:
@@ -292,4 +296,9 @@ class RequestLifecycle:
 
 
 def _sample_timings(front: FrontendTimestamps, sample: SampleProgress) -> PhaseTimings:
-    return derive_phase_timings(front, sample.stamps, sample.completion_tokens, sample.interference)
+    timings = derive_phase_timings(front, sample.stamps, sample.completion_tokens, sample.interference)
+    if not sample.drafted_tokens:
+        return timings
+    return dataclasses.replace(
+        timings, speculative_drafted_tokens=sample.drafted_tokens, speculative_accepted_tokens=sample.accepted_tokens
+    )

@@ -20,6 +20,8 @@ def timings_message(timings: PhaseTimings) -> pb.Timings:
         client_time_to_first_token_seconds=timings.client_time_to_first_token_seconds or 0.0,
         decode_stalled_by_prefill_seconds=timings.decode_stalled_by_prefill_seconds or 0.0,
         decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
+        speculative_drafted_tokens=timings.speculative_drafted_tokens,
+        speculative_accepted_tokens=timings.speculative_accepted_tokens,
         # Each stage with a field of its own in the contract, set in one call (a field set afterwards costs more).
         **{name: getattr(timings, name) or 0.0 for name in _TIMED_FIELDS},
     )

@@ -577,6 +577,8 @@ class Timings(_message.Message):
     INTAKE_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_STALLED_BY_PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_PREFILL_INTERFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_DRAFTED_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
     queue_seconds: _builtins.float
     """Every interval is on one monotonic clock: the engine core's stamps compared
     with the front end's own readings for this request (docs/metrics.md).
@@ -616,6 +618,11 @@ class Timings(_message.Message):
     """The estimated extra time those chunks cost this request: each such step's time
     minus what a decode-only step of the same batch takes on this engine.
     """
+    speculative_drafted_tokens: _builtins.int
+    """Under speculative decoding: the tokens the drafter proposed for this sample, and those
+    its verify steps accepted (0 without speculation).
+    """
+    speculative_accepted_tokens: _builtins.int
     def __init__(
         self,
         *,
@@ -631,10 +638,12 @@ class Timings(_message.Message):
         intake_seconds: _builtins.float = ...,
         decode_stalled_by_prefill_seconds: _builtins.float = ...,
         decode_prefill_interference_seconds: _builtins.float = ...,
+        speculative_drafted_tokens: _builtins.int = ...,
+        speculative_accepted_tokens: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_drafted_tokens", b"speculative_drafted_tokens", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -897,6 +906,9 @@ class ModelInfo(_message.Message):
     DEVICE_WEIGHT_BYTES_FIELD_NUMBER: _builtins.int
     DEVICE_KV_CACHE_BYTES_PER_TOKEN_FIELD_NUMBER: _builtins.int
     DEVICE_FLOPS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_METHOD_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_DRAFT_MODEL_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The name clients and metrics know the model by."""
     model_path: _builtins.str
@@ -948,6 +960,13 @@ class ModelInfo(_message.Message):
     """
     device_kv_cache_bytes_per_token: _builtins.float
     device_flops_per_token: _builtins.float
+    speculative_method: _builtins.str
+    """Speculative decoding (--speculative-config): vLLM's method ("ngram", "draft_model",
+    "eagle", ...; empty when off), the tokens its drafter proposes per sequence per step
+    (k: a verify step checks k + 1 positions), and the drafter's weights when it has any.
+    """
+    speculative_tokens: _builtins.int
+    speculative_draft_model: _builtins.str
     def __init__(
         self,
         *,
@@ -975,10 +994,13 @@ class ModelInfo(_message.Message):
         device_weight_bytes: _builtins.float = ...,
         device_kv_cache_bytes_per_token: _builtins.float = ...,
         device_flops_per_token: _builtins.float = ...,
+        speculative_method: _builtins.str = ...,
+        speculative_tokens: _builtins.int = ...,
+        speculative_draft_model: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "speculative_draft_model", b"speculative_draft_model", "speculative_method", b"speculative_method", "speculative_tokens", b"speculative_tokens", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

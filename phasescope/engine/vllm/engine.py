@@ -27,6 +27,7 @@ from phasescope.engine.base import (
     EngineStep,
     KvEventPublisher,
     ModelDescription,
+    Speculative,
     TokenLogprob,
 )
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
@@ -157,6 +158,45 @@ def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
         raise EngineConfigError(f"{flag}: {exc}") from exc
 
 
+def _engine_config(engine_args: Any) -> Any:
+    """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config (it
+    checks that object only here, against the model) is one `EngineConfigError` line naming the field."""
+    try:
+        from vllm.usage.usage_lib import UsageContext
+
+        return engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
+    except (TypeError, ValueError) as exc:
+        if engine_args.speculative_config is None:
+            raise
+        errors = getattr(exc, "errors", None)
+        if callable(errors):
+            first = errors()[0]
+            where = ".".join(str(part) for part in first.get("loc", ()) if part != "__init__")
+            raise EngineConfigError(f"--speculative-config: {where or 'the object'}: {first.get('msg', exc)}") from exc
+        raise EngineConfigError(f"--speculative-config: {exc}") from exc
+
+
+def _speculative(config: Any) -> Speculative | None:
+    """What GetModelInfo and GetServerInfo say of speculative decoding (None: off)."""
+    if config is None:
+        return None
+    draft = config.draft_model_config
+    return Speculative(
+        method=str(config.method),
+        num_speculative_tokens=int(config.num_speculative_tokens),
+        draft_model=str(draft.model) if draft is not None and config.method != "ngram" else "",
+    )
+
+
+def _speculation(metrics: Any) -> dict[str, int]:
+    """A finished sample's drafted and accepted tokens (vLLM's per-request summary: a histogram of the
+    tokens each verify step accepted), as `EngineStep` fields; nothing without speculative decoding."""
+    if metrics is None:
+        return {}
+    accepted = sum(count * tokens for tokens, count in enumerate(metrics.histogram))
+    return {"drafted_tokens": int(metrics.num_draft_tokens), "accepted_tokens": int(accepted)}
+
+
 def _kv_event_publishers(llm: Any) -> tuple[KvEventPublisher, ...]:
     """Each engine core's ZMQ publisher of KV-cache events, by data-parallel rank (vLLM reports the ones
     that are on, with each rank's own endpoint)."""
@@ -272,10 +312,14 @@ class VllmEngine:
             enable_logging_iteration_details=True,
             enable_mfu_metrics=True,
             kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
+            speculative_config=json.loads(options.speculative_config) if options.speculative_config else None,
+            # Each sample's drafted and accepted tokens, for its GenerateComplete and Timings.
+            per_request_spec_decode_metrics="summary" if options.speculative_config else "none",
         )
+        vllm_config = _engine_config(engine_args)
         # vLLM's own series too, through the pipeline (vLLM adds its default Prometheus logger only without one).
-        llm = AsyncLLM.from_engine_args(
-            engine_args, stat_loggers=[stat_logger_factory(steps), vllm_prometheus_logger(pipeline)]
+        llm = AsyncLLM.from_vllm_config(
+            vllm_config, stat_loggers=[stat_logger_factory(steps), vllm_prometheus_logger(pipeline)]
         )
         try:
             model_config = llm.model_config
@@ -307,6 +351,7 @@ class VllmEngine:
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
                 kv_event_publishers=_kv_event_publishers(llm),
+                speculative=_speculative(llm.vllm_config.speculative_config),
                 **_model_facts(llm),
             )
             engine = cls(llm, description)
@@ -510,6 +555,7 @@ class VllmEngine:
                     prompt_logprobs=_token_logprobs(prompt_token_ids[1:], output.prompt_logprobs[1:], prompt_logprobs)
                     if prompt_logprobs is not None and output.prompt_logprobs
                     else (),
+                    **_speculation(completion.spec_decode_metrics),
                 )
         except (asyncio.CancelledError, GeneratorExit):
             # Our caller closed these steps (a client gone, a sample failed) or was cancelled: the engine

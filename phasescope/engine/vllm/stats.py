@@ -22,7 +22,14 @@ from vllm.v1.metrics.stats import IterationStats, MultiModalCacheStats, Schedule
 
 from phasescope.telemetry.histograms import observe_all
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.step.records import EngineIteration, SchedulerState, StepForwarder, StepRecord, StepReport
+from phasescope.telemetry.step.records import (
+    EngineIteration,
+    SchedulerState,
+    SpeculativeStep,
+    StepForwarder,
+    StepRecord,
+    StepReport,
+)
 from phasescope.telemetry.step.window import wait_reason
 
 
@@ -114,11 +121,25 @@ class PhasescopeStatLogger(StatLoggerBase):
             read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
             written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
             kv_cache_tokens=round(scheduler_stats.kv_cache_usage * self._kv_cache_capacity_tokens()),
+            speculative=_speculative_step(scheduler_stats.spec_decoding_stats),
         )
         return StepReport(iteration=iteration, scheduler=scheduler, step=step)
 
     def log_engine_initialized(self) -> None:
         pass
+
+
+def _speculative_step(stats: Any) -> SpeculativeStep | None:
+    """The step's verification, from vLLM's `SpecDecodingStats` (None: no draft was verified this step)."""
+    if stats is None or not stats.num_drafts:
+        return None
+    return SpeculativeStep(
+        drafts=stats.num_drafts,
+        drafted_tokens=stats.num_draft_tokens,
+        accepted_tokens=stats.num_accepted_tokens,
+        accepted_by_position=tuple(stats.num_accepted_tokens_per_pos),
+        drafted_by_position=tuple(stats.num_draft_tokens_per_pos),
+    )
 
 
 def stat_logger_factory(forward: StepForwarder) -> Callable[[VllmConfig, int], Any]:

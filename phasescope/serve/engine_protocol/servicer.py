@@ -268,6 +268,9 @@ def _complete(output: Output, output_ids: list[int], logprobs: Sequence[TokenLog
     complete.prompt_tokens = output.prompt_tokens
     complete.completion_tokens = len(output_ids)
     complete.cached_tokens = step.cached_prompt_tokens
+    # Under speculative decoding, as vLLM's worker fills them (its --per-request-spec-decode-metrics).
+    complete.spec_draft_tokens = step.drafted_tokens
+    complete.spec_accepted_tokens = step.accepted_tokens
     if step.index:
         complete.index = step.index
     if isinstance(step.stop_reason, int):

@@ -98,6 +98,10 @@ class PhaseTimings:
     """For a request that ended before its first token: hand-off to the engine → end.
     The engine stamps nothing before a request's first token, so this time in queue or
     prefill cannot be split between the two."""
+    speculative_drafted_tokens: int = 0
+    """Under speculative decoding, once the sample has ended: the tokens its drafter proposed."""
+    speculative_accepted_tokens: int = 0
+    """Under speculative decoding, once the sample has ended: the drafted tokens its verify steps kept."""
 
     def seconds(self, stage: Stage) -> float | None:
         """The stage's duration (`stages.STAGES`); None when the request never reached or left it."""

@@ -75,6 +75,9 @@ def _decode_attributes(timings: PhaseTimings) -> dict[str, float | None]:
         "phasescope.mean_inter_token_seconds": timings.mean_inter_token_seconds,
         "phasescope.decode_stalled_by_prefill_seconds": timings.decode_stalled_by_prefill_seconds,
         "phasescope.decode_prefill_interference_seconds": timings.decode_prefill_interference_seconds,
+        # Under speculative decoding only (None: no attribute).
+        "phasescope.speculative_drafted_tokens": timings.speculative_drafted_tokens or None,
+        "phasescope.speculative_accepted_tokens": timings.speculative_accepted_tokens or None,
     }
 
 

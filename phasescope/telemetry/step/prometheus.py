@@ -89,6 +89,32 @@ class StepMetrics(StepSink, Collector):
             ["model", "engine"],
             registry=registry,
         )
+        self.speculative_drafts = Counter(
+            "phasescope_speculative_drafts",
+            "Drafts the engine verified (one per sequence per verify step), under speculative decoding.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.speculative_drafted_tokens = Counter(
+            "phasescope_speculative_drafted_tokens",
+            "Tokens the drafter proposed and the engine verified (vllm:spec_decode_num_draft_tokens).",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.speculative_accepted_tokens = Counter(
+            "phasescope_speculative_accepted_tokens",
+            "Drafted tokens the verification accepted (vllm:spec_decode_num_accepted_tokens); acceptance rate = "
+            "accepted ÷ drafted, mean acceptance length = 1 + accepted ÷ drafts.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.speculative_accepted_by_position = Counter(
+            "phasescope_speculative_accepted_tokens_by_position",
+            "Drafted tokens accepted at each draft position (0: the first drafted token); ÷ drafts is that "
+            "position's acceptance.",
+            ["model", "engine", "position"],
+            registry=registry,
+        )
         self.inter_token_latency_seconds = Histogram(
             "phasescope_inter_token_latency_seconds",
             "Each gap between consecutive output tokens of a request, from the engine core's own step "
@@ -151,6 +177,13 @@ class StepMetrics(StepSink, Collector):
             self.written_bytes.labels(*labels).inc(share.written_bytes)
             self.busy_seconds.labels(*labels).inc(share.seconds)
             self.step_tokens.labels(*labels).inc(share.tokens)
+        if (speculative := step.speculative) is not None:
+            model = self._model
+            self.speculative_drafts.labels(model, engine).inc(speculative.drafts)
+            self.speculative_drafted_tokens.labels(model, engine).inc(speculative.drafted_tokens)
+            self.speculative_accepted_tokens.labels(model, engine).inc(speculative.accepted_tokens)
+            for position, accepted in enumerate(speculative.accepted_by_position):
+                self.speculative_accepted_by_position.labels(model, engine, str(position)).inc(accepted)
 
     def collect(self) -> Iterator[Metric]:
         self._steps.hand_on()

@@ -15,6 +15,24 @@ STEP_KINDS = ("prefill", "decode", "mixed")
 
 
 @dataclass(frozen=True, slots=True)
+class SpeculativeStep:
+    """What a step's verification did with the drafts it checked (speculative decoding; vLLM's SpecDecodingStats)."""
+
+    drafts: int
+    """Sequences that verified a draft this step."""
+    drafted_tokens: int
+    accepted_tokens: int
+    accepted_by_position: tuple[int, ...] = ()
+    """Accepted drafts at each draft position (1st, 2nd, … kth)."""
+    drafted_by_position: tuple[int, ...] = ()
+
+    @property
+    def rejected_tokens(self) -> int:
+        """Drafted tokens the verification threw away: positions computed that emitted nothing."""
+        return self.drafted_tokens - self.accepted_tokens
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One engine step, as the engine core accounted it."""
 
@@ -24,7 +42,8 @@ class StepRecord:
     """Prompt tokens computed, chunks and recomputation after preemption included."""
     decode_requests: int
     decode_tokens: int
-    """New output tokens computed (one per decoding sequence, more with speculative decoding)."""
+    """Positions decode computed: one per decoding sequence, plus its drafts under speculative decoding (the
+    verify step checks them all, rejected drafts included)."""
     elapsed_seconds: float
     """The step's execution time, measured in the engine core."""
     flops: float | None = None
@@ -33,6 +52,8 @@ class StepRecord:
     written_bytes: float | None = None
     kv_cache_tokens: int = 0
     """Tokens held in the KV cache at this step (read once by a decode step)."""
+    speculative: SpeculativeStep | None = None
+    """What the step's verification accepted, under speculative decoding."""
 
     @property
     def kind(self) -> str:

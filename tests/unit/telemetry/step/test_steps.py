@@ -9,7 +9,14 @@ from phasescope.telemetry.model.cost import model_cost_from_config
 from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost, attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import EngineIteration, SchedulerState, StepForwarder, StepRecord, StepReport
+from phasescope.telemetry.step.records import (
+    EngineIteration,
+    SchedulerState,
+    SpeculativeStep,
+    StepForwarder,
+    StepRecord,
+    StepReport,
+)
 from phasescope.telemetry.step.window import overlap_fraction, wait_reason
 
 # A toy device: 100 GB/s and 1 TFLOP/s, ridge point 10 FLOP/byte.
@@ -496,3 +503,27 @@ def test_every_sink_hears_each_report_with_the_attribution_made_once() -> None:
         StepReport(iteration=EngineIteration(0, (0.01,), 0))
     )  # a sink that ignores iterations needs no method
     assert heard == ["step 3", "queue 3/1"]
+
+
+def test_a_verify_step_counts_its_drafts_and_acceptance_beside_the_positions_it_computed() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    steps = metrics(clock, registry)
+    # 4 sequences, k = 3: 4 × (1 + 3) = 16 positions verified; 7 of the 12 drafts accepted (4, 2 and 1 at
+    # positions 0, 1 and 2), 5 rejected.
+    verify = SpeculativeStep(drafts=4, drafted_tokens=12, accepted_tokens=7, accepted_by_position=(4, 2, 1),
+                             drafted_by_position=(4, 4, 4))  # fmt: skip
+    step = StepRecord(0, 0, 0, 4, 16, 0.05, speculative=verify)
+    assert step.kind == "decode"  # several positions per sequence: still decode, never prefill or mixed
+    assert verify.rejected_tokens == 5
+    steps.record(StepReport(step=step))
+    steps.record(StepReport(step=decode_step(4)))  # a plain decode step: 4 positions, 4 tokens
+    labels = {"model": "m", "engine": "0"}
+    assert registry.get_sample_value("phasescope_engine_step_tokens_total", {**labels, "phase": "decode"}) == 20
+    assert registry.get_sample_value("phasescope_speculative_drafts_total", labels) == 4
+    assert registry.get_sample_value("phasescope_speculative_drafted_tokens_total", labels) == 12
+    assert registry.get_sample_value("phasescope_speculative_accepted_tokens_total", labels) == 7
+    by_position = [
+        registry.get_sample_value("phasescope_speculative_accepted_tokens_by_position_total", {**labels, "position": p})
+        for p in "012"
+    ]
+    assert by_position == [4, 2, 1]

@@ -1,0 +1,139 @@
+"""Speculative decoding served on the real engine: the model drafting for itself (the exact upper bound:
+every drafted token is accepted and the text is the text without speculation), and n-gram lookup."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
+
+from phasescope.client.client import Client, build_request
+from support.servers import ServerProcess
+
+K = 3
+CHAT = [("user", "Name three colours of the rainbow.")]
+# A prompt that repeats itself: n-gram lookup finds the continuation in it.
+REPEATING = " ".join(["one two three four five six seven eight"] * 12)
+
+
+@pytest.fixture(scope="module")
+def drafting_server(start_server: Callable[..., ServerProcess], default_model: Path) -> Iterator[ServerProcess]:
+    config = {"method": "draft_model", "model": str(default_model), "num_speculative_tokens": K}
+    server = start_server("--speculative-config", json.dumps(config))
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+def engine_complete(server: ServerProcess, ids: list[int], max_tokens: int) -> Any:
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        request = vllm_pb.GenerateRequest(
+            request_id="spec", tokenized=vllm_pb.TokenizedInput(input_ids=ids), stream=False,
+            sampling_params=vllm_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),
+        )  # fmt: skip
+        return [r.complete for r in stub.Generate(request, timeout=120) if r.HasField("complete")][-1]
+
+
+def test_a_model_drafting_for_itself_answers_as_without_speculation_with_every_draft_accepted(
+    drafting_server: ServerProcess, client: Client
+) -> None:
+    request = build_request(chat=CHAT, temperature=0.0, max_tokens=32)
+    plain = client.generate(request)
+    with drafting_server.client() as drafting:
+        speculative = drafting.generate(request)
+    assert speculative.text == plain.text
+    timings = speculative.timings
+    # 32 tokens: the first comes from prefill, and each verify step of the other 31 drafts k tokens.
+    assert timings.speculative_drafted_tokens >= K
+    assert timings.speculative_accepted_tokens == timings.speculative_drafted_tokens
+    assert (plain.timings.speculative_drafted_tokens, plain.timings.speculative_accepted_tokens) == (0, 0)
+
+
+def test_the_engine_protocol_reports_drafted_and_accepted_tokens_as_vllms_worker_does(
+    drafting_server: ServerProcess,
+) -> None:
+    complete = engine_complete(drafting_server, [1, 504, 3458, 314, 260], max_tokens=16)
+    assert complete.completion_tokens == 16
+    assert complete.spec_draft_tokens >= K
+    assert complete.spec_accepted_tokens == complete.spec_draft_tokens
+
+
+def test_model_info_names_the_drafter(drafting_server: ServerProcess, default_model: Path) -> None:
+    with drafting_server.client() as drafting:
+        info = drafting.model_info()
+    assert (info.speculative_method, info.speculative_tokens) == ("draft_model", K)
+    assert info.speculative_draft_model == str(default_model)
+
+
+def test_n_gram_drafts_accept_more_of_a_repeating_prompt_and_never_more_than_drafted(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
+    server = start_server("--speculative-config", json.dumps(config))
+    try:
+        with server.client() as ngram:
+            repeating = ngram.generate(build_request(prompt=REPEATING, temperature=0.0, max_tokens=48)).timings
+            varied = ngram.generate(
+                build_request(chat=[("user", "Write a short poem about a lighthouse.")], temperature=0.0, max_tokens=48)
+            ).timings
+    finally:
+        server.stop()
+    for timings in (repeating, varied):
+        assert timings.speculative_accepted_tokens <= timings.speculative_drafted_tokens
+    assert repeating.speculative_drafted_tokens > 0
+    rate = repeating.speculative_accepted_tokens / repeating.speculative_drafted_tokens
+    varied_rate = varied.speculative_accepted_tokens / max(1, varied.speculative_drafted_tokens)
+    assert rate > varied_rate
+
+
+def test_a_speculative_config_vllm_refuses_stops_the_server_with_one_line_naming_the_field(
+    start_server: Callable[..., ServerProcess],
+) -> None:
+    server = start_server(
+        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": -1}), wait=False
+    )
+    try:
+        assert server.process.wait(timeout=180) == 2
+        assert "--speculative-config" in server.log_tail()
+    finally:
+        server.stop()
+
+
+SERIES = (
+    "phasescope_speculative_drafted_tokens_total",
+    "vllm:spec_decode_num_draft_tokens_total",
+    "phasescope_speculative_accepted_tokens_total",
+    "vllm:spec_decode_num_accepted_tokens_total",
+    "phasescope_speculative_drafts_total",
+    "vllm:spec_decode_num_drafts_total",
+    "vllm:generation_tokens_total",
+)
+
+
+def test_phasescopes_drafted_accepted_and_emitted_counts_equal_vllms_own_series(drafting_server: ServerProcess) -> None:
+    def decode(name: str) -> float:
+        return drafting_server.sample_sum(name, phase="decode")
+
+    before = {name: drafting_server.sample_sum(name) for name in SERIES}
+    emitted_before, verified_before = decode("phasescope_tokens_total"), decode("phasescope_engine_step_tokens_total")
+    with drafting_server.client() as drafting:
+        for prompt in ("Count from one to twenty.", "Tell me about the sea."):
+            drafting.generate(build_request(prompt=prompt, temperature=0.0, max_tokens=24, ignore_eos=True))
+    delta = {name: drafting_server.sample_sum(name) - before[name] for name in SERIES}
+    drafted, accepted, drafts = (delta[name] for name in SERIES[:6:2])
+    assert drafted > 0
+    assert (drafted, accepted, drafts) == tuple(delta[name] for name in SERIES[1:6:2])
+    assert accepted == drafted  # the model drafting for itself: every draft is accepted
+    # Emitted tokens are the output, as vLLM counts it: 2 requests × 24.
+    assert decode("phasescope_tokens_total") - emitted_before == delta["vllm:generation_tokens_total"] == 48
+    # The verify steps' positions are counted apart: each draft's k tokens and one of its own.
+    verified = decode("phasescope_engine_step_tokens_total") - verified_before
+    assert verified >= drafted + drafts
