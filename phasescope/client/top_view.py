@@ -261,6 +261,14 @@ def _engine_lines(engine: pb.EngineSnapshot, cost: bool) -> list[Text]:
                 ),
             )
         )
+    if engine.speculative_mean_acceptance_length:
+        # Speculative decoding: how much of what the drafter proposes the verify steps keep.
+        lines.append(
+            Text(
+                f"  speculation accepted {percent(engine.speculative_acceptance_rate)} of drafts · "
+                f"{engine.speculative_mean_acceptance_length:.2f} tokens per verify step"
+            )
+        )
     return lines
 
 

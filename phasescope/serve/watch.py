@@ -130,6 +130,9 @@ def _engine_snapshot(view: EngineView) -> pb.EngineSnapshot:
         kv_cache_wait_ratio=(view.wait_shares or {}).get("kv_cache", 0.0),
         preemptions_in_window=view.preemptions,
     )
+    if view.speculation is not None:
+        message.speculative_acceptance_rate = view.speculation.acceptance_rate
+        message.speculative_mean_acceptance_length = view.speculation.mean_acceptance_length
     for phase, phase_view in view.phases.items():
         figures = phase_view.figures
         message.phases.append(

@@ -35,7 +35,13 @@ from phasescope.telemetry.step.verdict import (
     phase_verdict,
     token_cost,
 )
-from phasescope.telemetry.step.window import DEFAULT_WINDOW_SECONDS, DeviceFigures, PhaseFigures, StepWindow
+from phasescope.telemetry.step.window import (
+    DEFAULT_WINDOW_SECONDS,
+    DeviceFigures,
+    PhaseFigures,
+    SpeculationFigures,
+    StepWindow,
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +74,8 @@ class EngineView:
     """Requests preempted for KV-cache blocks over the window."""
     sequences_fit: float | None = None
     """Sequences the cache holds at the window's mean context (None: nothing ran in the window)."""
+    speculation: SpeculationFigures | None = None
+    """Its verify steps' drafts over the window (None: no draft verified in the window)."""
 
     @property
     def kv_cache_tokens(self) -> int:
@@ -210,6 +218,7 @@ class StepAggregator:
         wait_shares = self.window.wait_shares()
         preemptions = self.window.preemptions()
         fits = self.window.sequences_fit()
+        speculation = self.window.speculation()
         schedulers = self.window.schedulers()
         views = []
         for engine, device in devices.items():
@@ -259,6 +268,7 @@ class StepAggregator:
                     wait_shares=waits,
                     preemptions=preempted,
                     sequences_fit=fits.get(engine),
+                    speculation=speculation.get(engine),
                 )
             )
         return views

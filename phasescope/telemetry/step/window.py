@@ -75,6 +75,25 @@ class DeviceFigures:
         return 1.0 - self.compute_utilization
 
 
+@dataclass(frozen=True, slots=True)
+class SpeculationFigures:
+    """One engine's speculative decoding over the window (its verify steps' drafts)."""
+
+    drafts: float
+    drafted_tokens: float
+    accepted_tokens: float
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted ÷ drafted tokens."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """Tokens a sequence emits per verify step: its accepted drafts and one of its own (vLLM's definition)."""
+        return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+
 @dataclass(slots=True)
 class _Windowed:
     end: float
@@ -289,6 +308,23 @@ class StepWindow:
                 busy_ratio=min(1.0, busy / window),
             )
         return phases, devices
+
+    def speculation(self) -> dict[int, SpeculationFigures]:
+        """Per engine that verified drafts in the window: its drafts, drafted and accepted tokens (the part of
+        each step inside the window)."""
+        entries, _ = self._snapshot()
+        totals: dict[int, tuple[float, float, float]] = {}
+        for fraction, entry in entries:
+            speculative = entry.step.speculative
+            if speculative is None or fraction <= 0.0:
+                continue
+            drafts, drafted, accepted = totals.get(entry.engine, (0.0, 0.0, 0.0))
+            totals[entry.engine] = (
+                drafts + fraction * speculative.drafts,
+                drafted + fraction * speculative.drafted_tokens,
+                accepted + fraction * speculative.accepted_tokens,
+            )
+        return {engine: SpeculationFigures(*figures) for engine, figures in totals.items()}
 
     def agreement(self) -> dict[str, float]:
         """Cost model ÷ engine estimate over the window, for FLOPs and bytes read (absent without engine estimates)."""

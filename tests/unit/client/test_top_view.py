@@ -148,6 +148,14 @@ def test_the_memory_line_shows_the_kv_cache_and_who_waits_for_it() -> None:
     assert line_with(text, "decode  ").split()[5] == "capacity"
 
 
+def test_a_speculating_engine_has_a_line_with_its_acceptance_and_tokens_per_verify_step() -> None:
+    snap = snapshot()
+    assert "speculation" not in frame(snap)  # no drafts verified in the window: no line
+    engine = snap.engines[0]
+    engine.speculative_acceptance_rate, engine.speculative_mean_acceptance_length = 0.6, 2.8
+    assert "speculation accepted 60.0% of drafts · 2.80 tokens per verify step" in line_with(frame(snap), "speculation")
+
+
 def test_latency_line_gives_quantiles_with_samples_and_phase_means() -> None:
     text = frame()
     assert "TTFT p50 287 ms p99 310 ms (3) · ITL p50 89.7 ms p99 120 ms (240)" in line_with(text, "latency")

@@ -527,3 +527,20 @@ def test_a_verify_step_counts_its_drafts_and_acceptance_beside_the_positions_it_
         for p in "012"
     ]
     assert by_position == [4, 2, 1]
+
+
+def test_the_window_gives_each_speculating_engines_acceptance_and_tokens_per_verify_step() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    steps = metrics(clock, registry, engines=2)
+    # Engine 0: two verify steps of 4 sequences, k = 3: 8 drafts, 24 drafted, 15 accepted.
+    for accepted in (7, 8):
+        verify = SpeculativeStep(drafts=4, drafted_tokens=12, accepted_tokens=accepted)
+        steps.record(StepReport(step=StepRecord(0, 0, 0, 4, 16, 0.05, speculative=verify)))
+    steps.record(StepReport(step=decode_step(4, engine=1)))  # engine 1 does not speculate
+    _, views = steps.views()
+    first, second = views
+    assert second.speculation is None
+    assert first.speculation is not None
+    assert first.speculation.acceptance_rate == pytest.approx(15 / 24)
+    # 1 + 15 accepted ÷ 8 drafts: each sequence emits 2.875 tokens a verify step.
+    assert first.speculation.mean_acceptance_length == pytest.approx(2.875)
