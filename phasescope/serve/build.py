@@ -137,7 +137,7 @@ class Built:
         StepMetrics(self.model_name, aggregator, self.registry)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
         self.steps.sink = aggregator.record
-        self.path.interference = aggregator.read_interference
+        self.path.interference = aggregator.interference.read
         self.path.engine = engine
         live = LiveTelemetry(aggregator, self.recent, self.pipeline)
         facts = ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started)

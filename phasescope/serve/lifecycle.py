@@ -217,7 +217,7 @@ class RequestLifecycle:
         if not self.front.first_chunk_written and (self.streaming or self._handover):
             self.front = dataclasses.replace(self.front, first_chunk_written=self._handover or time.monotonic())
         self._report_first_token(self._current)
-        if self.front.first_chunk_written:
+        if self._awaiting and self.front.first_chunk_written:
             self._stop_waiting()
 
     def timings(self, sample: int = 0) -> PhaseTimings:

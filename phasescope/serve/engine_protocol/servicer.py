@@ -76,8 +76,13 @@ class VllmEngineServicer:
         async with StatusOnError(context), aclosing(path.generate(streaming, context, decode)) as outputs:
             if streaming:
                 async for output in outputs:
-                    for response in _streamed(output, context):
-                        yield response
+                    yield _chunk(output)
+                    if output.sample_end is not None:
+                        # The sample's complete carries its last step's delta (as vLLM's servicer sends it); the
+                        # request's timings go in the trailing metadata before its last complete.
+                        if output.request_end is not None:
+                            _set_timings(context, output.request_end)
+                        yield _complete(output, list(output.step.token_ids), output.step.logprobs)
                 return
             # Unary: each sample's ids and log probabilities, then one complete per sample, in order.
             samples: dict[int, _Sample] = {}
@@ -222,18 +227,6 @@ class _Sample:
         if first and self.prompt_logprobs:
             _fill_input_logprobs(response.complete.input_logprobs, final.first_prompt_token, self.prompt_logprobs)
         return response
-
-
-def _streamed(output: Output, context: ServicerContext) -> list[pb.GenerateResponse]:
-    """A step's chunk and, on a sample's last step, its complete carrying that step's delta (as vLLM's servicer
-    sends it); the request's timings go in the trailing metadata before its last complete."""
-    step = output.step
-    responses = [_chunk(output)]
-    if output.sample_end is not None:
-        if output.request_end is not None:
-            _set_timings(context, output.request_end)
-        responses.append(_complete(output, list(step.token_ids), step.logprobs))
-    return responses
 
 
 def _set_timings(context: ServicerContext, end: RequestEnd) -> None:

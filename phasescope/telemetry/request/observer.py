@@ -59,6 +59,8 @@ class ObserverGroup:
         self._direct = tuple(direct)
         self._batched = tuple(batched)
         self._all = (*self._direct, *self._batched)
+        # Called for every step of every request: each observer's method, looked up once.
+        self._token_counters = tuple(observer.tokens_generated for observer in self._all)
         self._pipeline = pipeline
         self._on_error = on_error
 
@@ -83,7 +85,11 @@ class ObserverGroup:
         self._record("request_first_token", record)
 
     def tokens_generated(self, model: str, count: int) -> None:
-        self._call(self._all, "tokens_generated", model, count)
+        for count_tokens in self._token_counters:
+            try:
+                count_tokens(model, count)
+            except Exception as exc:
+                self._on_error("observer", exc)
 
     def request_finished(self, record: PhaseRecord) -> None:
         self._record("request_finished", record)
