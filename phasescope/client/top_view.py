@@ -266,10 +266,21 @@ def _engine_lines(engine: pb.EngineSnapshot, cost: bool) -> list[Text]:
         lines.append(
             Text(
                 f"  speculation accepted {percent(engine.speculative_acceptance_rate)} of drafts · "
-                f"{engine.speculative_mean_acceptance_length:.2f} tokens per verify step"
+                f"{engine.speculative_mean_acceptance_length:.2f} tokens per verify step" + _speculation_pays(engine)
             )
         )
     return lines
+
+
+def _speculation_pays(engine: pb.EngineSnapshot) -> str:
+    """ " · pays 2.10×", or why it does not ("verify compute-bound", "acceptance too low")."""
+    if not engine.speculative_reading:
+        return ""
+    gain = f"{engine.speculative_gain:.2f}×"
+    if engine.speculative_reading == "paying":
+        return f" · pays {gain}"
+    why = "verify compute-bound" if engine.speculative_reading == "compute" else "acceptance too low"
+    return f" · does not pay ({gain}: {why})"
 
 
 def _phase_table(engine: pb.EngineSnapshot, history: TokenRateHistory, detail: Detail) -> Table:

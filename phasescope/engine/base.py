@@ -51,6 +51,8 @@ class Speculative:
     """k: tokens the drafter proposes per sequence per step; a verify step checks k + 1 positions."""
     draft_model: str = ""
     """The drafter's weights, for a method that has a model (empty for n-gram)."""
+    draft_cost: ModelCost | None = None
+    """The drafter's cost per device, for a method that has a model (None: the drafter is host code)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -46,6 +46,7 @@ from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator
+from phasescope.telemetry.step.attribution import Drafter
 from phasescope.telemetry.step.prometheus import StepMetrics
 from phasescope.telemetry.step.records import StepForwarder
 from phasescope.telemetry.step.verdict import HeadroomLimits
@@ -133,6 +134,9 @@ class Built:
             kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
             pipeline=self.pipeline,
             on_error=self.telemetry_errors,
+            drafter=Drafter(speculative.num_speculative_tokens, speculative.draft_cost)
+            if (speculative := description.speculative) is not None
+            else None,
         )
         StepMetrics(self.model_name, aggregator, self.registry)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs

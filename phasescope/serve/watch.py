@@ -133,6 +133,8 @@ def _engine_snapshot(view: EngineView) -> pb.EngineSnapshot:
     if view.speculation is not None:
         message.speculative_acceptance_rate = view.speculation.acceptance_rate
         message.speculative_mean_acceptance_length = view.speculation.mean_acceptance_length
+        message.speculative_gain = view.speculation.gain or 0.0
+        message.speculative_reading = view.speculation.reading or ""
     for phase, phase_view in view.phases.items():
         figures = phase_view.figures
         message.phases.append(

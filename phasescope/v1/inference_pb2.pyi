@@ -1165,6 +1165,8 @@ class EngineSnapshot(_message.Message):
     PREEMPTIONS_IN_WINDOW_FIELD_NUMBER: _builtins.int
     SPECULATIVE_ACCEPTANCE_RATE_FIELD_NUMBER: _builtins.int
     SPECULATIVE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_GAIN_FIELD_NUMBER: _builtins.int
+    SPECULATIVE_READING_FIELD_NUMBER: _builtins.int
     engine: _builtins.int
     """The data-parallel engine core's index."""
     memory_bandwidth_utilization: _builtins.float
@@ -1216,6 +1218,13 @@ class EngineSnapshot(_message.Message):
     drafted tokens, and tokens a sequence emits per verify step (1 + accepted ÷ drafts).
     """
     speculative_mean_acceptance_length: _builtins.float
+    speculative_gain: _builtins.float
+    """Whether speculation pays over the window: emitted tokens per second of roofline time with
+    it ÷ without it for the same sequences (0 when unknown), and the reading: "paying", or why
+    not, "compute" (verify steps compute-bound) or "acceptance" (too few drafts accepted for
+    k, or the drafter too dear); empty without drafts verified in the window.
+    """
+    speculative_reading: _builtins.str
     @_builtins.property
     def phases(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseSnapshot]:
         """"prefill" and "decode", in that order."""
@@ -1246,10 +1255,12 @@ class EngineSnapshot(_message.Message):
         preemptions_in_window: _builtins.int = ...,
         speculative_acceptance_rate: _builtins.float = ...,
         speculative_mean_acceptance_length: _builtins.float = ...,
+        speculative_gain: _builtins.float = ...,
+        speculative_reading: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_capacity_tokens", b"kv_cache_capacity_tokens", "kv_cache_sequences_fit", b"kv_cache_sequences_fit", "kv_cache_tokens", b"kv_cache_tokens", "kv_cache_usage", b"kv_cache_usage", "kv_cache_wait_ratio", b"kv_cache_wait_ratio", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "preemptions_in_window", b"preemptions_in_window", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "speculative_acceptance_rate", b"speculative_acceptance_rate", "speculative_mean_acceptance_length", b"speculative_mean_acceptance_length", "waiting", b"waiting", "waiting_for_kv_cache", b"waiting_for_kv_cache", "waiting_for_slot", b"waiting_for_slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_capacity_tokens", b"kv_cache_capacity_tokens", "kv_cache_sequences_fit", b"kv_cache_sequences_fit", "kv_cache_tokens", b"kv_cache_tokens", "kv_cache_usage", b"kv_cache_usage", "kv_cache_wait_ratio", b"kv_cache_wait_ratio", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "preemptions_in_window", b"preemptions_in_window", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "speculative_acceptance_rate", b"speculative_acceptance_rate", "speculative_gain", b"speculative_gain", "speculative_mean_acceptance_length", b"speculative_mean_acceptance_length", "speculative_reading", b"speculative_reading", "waiting", b"waiting", "waiting_for_kv_cache", b"waiting_for_kv_cache", "waiting_for_slot", b"waiting_for_slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

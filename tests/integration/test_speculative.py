@@ -137,3 +137,30 @@ def test_phasescopes_drafted_accepted_and_emitted_counts_equal_vllms_own_series(
     # The verify steps' positions are counted apart: each draft's k tokens and one of its own.
     verified = decode("phasescope_engine_step_tokens_total") - verified_before
     assert verified >= drafted + drafts
+
+
+def test_verify_steps_are_decode_and_the_drafters_cost_is_seen(drafting_server: ServerProcess) -> None:
+    def steps(kind: str) -> float:
+        return drafting_server.sample_sum("phasescope_engine_steps_total", kind=kind)
+
+    before = {kind: steps(kind) for kind in ("prefill", "decode", "mixed")}
+    drafts_before = drafting_server.sample_sum("phasescope_speculative_drafts_total")
+    with drafting_server.client() as drafting:
+        drafting.generate(build_request(prompt="Count from one to twenty.", temperature=0.0, max_tokens=24))
+    delta = {kind: steps(kind) - before[kind] for kind in before}
+    drafts = drafting_server.sample_sum("phasescope_speculative_drafts_total") - drafts_before
+    # One request: its prompt is one prefill step; every verify step (k + 1 positions) is a decode step.
+    assert delta["prefill"] == 1
+    assert delta["decode"] + delta["mixed"] >= drafts > 0
+
+    def gauge(name: str) -> float:
+        return drafting_server.sample_sum(name)
+
+    # The model drafting for itself, memory-bound on this CPU: its k passes read the weights k times beside the
+    # verify step's one read, and do k of the k + 1 positions' FLOPs again.
+    assert 0.6 < gauge("phasescope_speculative_drafter_time_ratio") < 0.85
+    assert gauge("phasescope_speculative_useful_flops_ratio") == pytest.approx((K + 1) / (2 * K + 1), rel=0.05)
+    # Every draft accepted, and yet no gain: each accepted token cost the drafter a weight read.
+    assert gauge("phasescope_speculative_gain_ratio") == pytest.approx(1.0, rel=0.15)
+    assert gauge("phasescope_speculative_acceptance_ratio") == 1.0
+    assert gauge("phasescope_speculative_mean_acceptance_length") == K + 1

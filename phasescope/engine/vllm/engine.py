@@ -176,15 +176,26 @@ def _engine_config(engine_args: Any) -> Any:
         raise EngineConfigError(f"--speculative-config: {exc}") from exc
 
 
-def _speculative(config: Any) -> Speculative | None:
-    """What GetModelInfo and GetServerInfo say of speculative decoding (None: off)."""
+def _speculative(config: Any, cache_dtype: str, devices: tuple[int, int]) -> Speculative | None:
+    """What GetModelInfo and GetServerInfo say of speculative decoding (None: off), and the drafter's cost per
+    device (`devices`: tensor × pipeline parallel) for the step telemetry."""
     if config is None:
         return None
     draft = config.draft_model_config
+    method = str(config.method)
+    has_model = draft is not None and method not in ("ngram", "suffix")
+    draft_cost = None
+    if has_model:
+        # An MTP drafter is layers of the target's own checkpoint: its shape is in its config, not its files.
+        folder = Path(str(draft.model)) if method != "mtp" else None
+        draft_cost = _model_cost(
+            draft.hf_config.to_dict(), folder, str(draft.dtype).removeprefix("torch."), cache_dtype
+        ).sharded(*devices)
     return Speculative(
-        method=str(config.method),
+        method=method,
         num_speculative_tokens=int(config.num_speculative_tokens),
-        draft_model=str(draft.model) if draft is not None and config.method != "ngram" else "",
+        draft_model=str(draft.model) if has_model else "",
+        draft_cost=draft_cost,
     )
 
 
@@ -216,10 +227,10 @@ def _kv_event_publishers(llm: Any) -> tuple[KvEventPublisher, ...]:
     return tuple(publishers)
 
 
-def _model_cost(hf_config: dict[str, Any], folder: Path, dtype: str, kv_cache_dtype: str) -> ModelCost:
-    """The model's cost from its config and checkpoint; a figure that cannot be known is left out with
-    one warning — the cost model never stops the server from starting."""
-    checkpoint = read_checkpoint(folder) if folder.is_dir() else None
+def _model_cost(hf_config: dict[str, Any], folder: Path | None, dtype: str, kv_cache_dtype: str) -> ModelCost:
+    """The model's cost from its config and checkpoint (`folder`, None: the config alone); a figure that cannot be
+    known is left out with one warning — the cost model never stops the server from starting."""
+    checkpoint = read_checkpoint(folder) if folder is not None and folder.is_dir() else None
     try:
         return model_cost_from_config(hf_config, None, dtype, kv_cache_dtype, checkpoint)
     except ValueError as exc:
@@ -351,7 +362,11 @@ class VllmEngine:
                 cost=cost,
                 on_cpu=current_platform.is_cpu(),
                 kv_event_publishers=_kv_event_publishers(llm),
-                speculative=_speculative(llm.vllm_config.speculative_config),
+                speculative=_speculative(
+                    llm.vllm_config.speculative_config,
+                    str(llm.vllm_config.cache_config.cache_dtype),
+                    (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
+                ),
                 **_model_facts(llm),
             )
             engine = cls(llm, description)

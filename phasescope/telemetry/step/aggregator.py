@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.step.attribution import StepAttributor, StepCost
+from phasescope.telemetry.step.attribution import Drafter, StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
 from phasescope.telemetry.step.records import PHASES, EngineIteration, SchedulerState, StepRecord, StepReport
 from phasescope.telemetry.step.verdict import (
@@ -118,10 +118,12 @@ class StepAggregator:
         kv_cache_capacity_tokens: int = 0,
         pipeline: TelemetryPipeline | None = None,
         on_error: Callable[[str, BaseException], None] = lambda component, exc: None,
+        drafter: Drafter | None = None,
     ) -> None:
         """`cost_per_hour` is each engine's price (None: no cost figures); `kv_cache_capacity_tokens` its KV
         cache's size (0: unknown). `pipeline`: where reports wait before they are aggregated (None: at once);
-        a report that cannot be aggregated goes to `on_error` and costs that report only."""
+        a report that cannot be aggregated goes to `on_error` and costs that report only. `drafter`: what proposes
+        the drafts under speculative decoding (None: off)."""
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
@@ -138,6 +140,7 @@ class StepAggregator:
         self._clock = clock
         self._pipeline = pipeline
         self._on_error = on_error
+        self._drafter = drafter
 
     def read_interference(self, engine: int) -> Interference:
         """An engine's running interference totals, for a request to difference over its decode."""
@@ -146,7 +149,9 @@ class StepAggregator:
     def _attribute(self, step: StepRecord) -> StepCost:
         # Made at the first step: a device with no peak FLOP/s for the dtype fails each step, not the start.
         if self._attributor is None:
-            self._attributor = StepAttributor(self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops)
+            self._attributor = StepAttributor(
+                self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, self._drafter
+            )
         return self._attributor(step)
 
     def add_sink(self, sink: StepSink) -> None:

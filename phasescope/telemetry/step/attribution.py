@@ -22,6 +22,21 @@ cost, so that neither phase's operating point is contaminated by the other's:
 - Bytes written: decode pays its new tokens' KV entries; the chunk the rest.
 - Time is split in proportion to each phase's roofline time for the work it
   was charged (max of bytes ÷ peak bandwidth and FLOPs ÷ peak FLOP/s).
+
+**Speculative decoding (written once, here and in docs/metrics.md).** A verify step checks k + 1
+positions per sequence (its drafts and one of its own) in one pass: it is a decode step whatever
+the number of positions. Its figures come from the cost model, never from the engine's estimate
+(vLLM's counts a sequence with several new positions as prefill and its LM head once):
+- positions computed (`tokens`) and tokens emitted (`emitted_tokens`: the positions less the
+  rejected drafts, equal to the engine's generation tokens) are counted apart;
+- FLOPs: every position through the weights and the LM head, each attending to its sequence's
+  context; the emitted positions' share is useful, the rejected drafts' wasted;
+- bytes: the weights once for all positions, the sequences' KV cache once, each position's new KV;
+- the drafter's own work is decode's too: a draft model runs k passes over the sequences whose
+  drafts the step verified (its weights read and its KV at their context each pass); an n-gram
+  drafter is host code, no device work. Its share of the step's time is its roofline share;
+- beside each verify step, the roofline time of the plain decode step of the same batch and
+  context, so a window can say whether speculation pays (`window.SpeculationFigures`).
 """
 
 from __future__ import annotations
@@ -32,26 +47,66 @@ from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.step.records import StepRecord
 
 
-@dataclass(slots=True)
+@dataclass(frozen=True, slots=True)
 class PhaseShare:
-    """The part of one step charged to one phase (made for every step: slotted, not frozen, as a frozen
-    dataclass costs twice as much to make; treat it as a value)."""
+    """The part of one step charged to one phase."""
 
     tokens: int
+    """Positions computed (decode's drafts included under speculative decoding)."""
     requests: int
     seconds: float
     flops: float
     read_bytes: float
     written_bytes: float
+    emitted_tokens: int
+    """Tokens the phase produced: `tokens` less the rejected drafts (prefill: its prompt tokens)."""
 
     @property
     def moved_bytes(self) -> float:
         return self.read_bytes + self.written_bytes
 
 
-@dataclass(slots=True)
+EMPTY_SHARE = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0, 0)
+
+
+@dataclass(frozen=True, slots=True)
+class Drafter:
+    """What proposes the drafts a verify step checks."""
+
+    tokens: int
+    """k: the tokens it proposes per sequence per step."""
+    cost: ModelCost | None = None
+    """A draft model's cost (per device); None for a drafter that is host code (n-gram, suffix)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeCost:
+    """A verify step's decode work under speculative decoding (module docstring)."""
+
+    requests: int
+    positions: int
+    emitted_tokens: int
+    useful_flops: float
+    """The verify FLOPs of the positions that emitted a token."""
+    wasted_flops: float
+    """The verify FLOPs of the rejected drafts."""
+    drafter_flops: float
+    drafter_bytes: float
+    drafter_seconds: float
+    """The drafter's share of the step's decode time (its roofline share)."""
+    verify_memory_seconds: float
+    """The verify work's bytes ÷ peak bandwidth."""
+    verify_compute_seconds: float
+    """The verify work's FLOPs ÷ peak FLOP/s."""
+    speculative_seconds: float
+    """The roofline's time for the verify and the drafter's work."""
+    plain_seconds: float
+    """The roofline's time for a plain decode step of the same sequences at the same context."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepCost:
-    """A step's totals and their attribution to the phases (one per step, like `PhaseShare`)."""
+    """A step's totals and their attribution to the phases."""
 
     flops: float
     read_bytes: float
@@ -60,6 +115,8 @@ class StepCost:
     """The project's cost model's FLOPs for the step (the cross-check of the engine's estimate)."""
     model_read_bytes: float
     shares: dict[str, PhaseShare]
+    speculative: SpeculativeCost | None = None
+    """Under speculative decoding, a verify step's decode work."""
 
 
 def decode_context_tokens(step: StepRecord) -> int:
@@ -71,8 +128,16 @@ class StepAttributor:
     """`attribute_step` for one model against one device's peaks, with what every step reads of the cost model
     worked out once (the aggregator attributes every engine step)."""
 
-    def __init__(self, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float) -> None:
+    def __init__(
+        self,
+        cost: ModelCost,
+        peak_bandwidth_bytes_per_second: float,
+        peak_flops: float,
+        drafter: Drafter | None = None,
+    ) -> None:
+        """`drafter`: what proposes the drafts under speculative decoding (None: it is off)."""
         self.cost = cost
+        self.drafter = drafter
         self._bandwidth = peak_bandwidth_bytes_per_second
         self._flops = peak_flops
         self._kv_bytes = cost.device_kv_cache_bytes_per_token
@@ -82,85 +147,149 @@ class StepAttributor:
     def _weights_read(self, tokens: int) -> float:
         return self._dense_weights if self._dense_weights is not None else self.cost.weights_read(tokens)
 
+    def _roofline_seconds(self, flops: float, moved_bytes: float) -> float:
+        return max(moved_bytes / self._bandwidth, flops / self._flops)
+
+    def _decode_flops(self, step: StepRecord) -> float:
+        """Decode's FLOPs by the cost model: each position (drafts included) attends to its sequence's context."""
+        positions_per_sequence = step.decode_tokens / step.decode_requests if step.decode_requests else 1.0
+        return self.cost.decode_flops(step.decode_tokens, decode_context_tokens(step) * positions_per_sequence)
+
     def model_step_cost(self, step: StepRecord) -> tuple[float, float, float]:
-        """(FLOPs, bytes read, bytes written) on each device of a step, by the project's own cost model."""
-        cost = self.cost
+        """(FLOPs, bytes read, bytes written) on each device of a step's target-model work, by the project's own
+        cost model (a drafter's work is apart: `_drafter_work`)."""
         tokens = step.prefill_tokens + step.decode_tokens
         # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
-        # decode tokens (LM head each, attention over their sequences' context).
-        flops = cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + cost.decode_flops(
-            step.decode_tokens, decode_context_tokens(step)
-        )
+        # decode positions (LM head each, attention over their sequences' context).
+        flops = self.cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + self._decode_flops(step)
         # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
         read_bytes = self._weights_read(tokens) + step.kv_cache_tokens * self._kv_bytes
         # Bytes written ≈ each computed token's new KV entries.
         written_bytes = tokens * self._kv_bytes
         return flops, read_bytes, written_bytes
 
+    def _drafter_work(self, step: StepRecord) -> tuple[float, float]:
+        """(FLOPs, bytes moved) of the drafter in a verify step: k passes of a draft model over the sequences
+        whose drafts the step verified, at their context; nothing for a host-code drafter."""
+        drafter, speculative = self.drafter, step.speculative
+        if drafter is None or drafter.cost is None or speculative is None or not speculative.drafts:
+            return 0.0, 0.0
+        sequences = speculative.drafts
+        context = decode_context_tokens(step) * sequences / max(1, step.decode_requests)
+        cost = drafter.cost
+        kv_bytes = cost.device_kv_cache_bytes_per_token
+        flops = drafter.tokens * cost.decode_flops(sequences, context)
+        moved = drafter.tokens * (cost.weights_read(sequences) + context * kv_bytes + sequences * kv_bytes)
+        return flops, moved
+
+    def _plain_decode_seconds(self, step: StepRecord) -> float:
+        """The roofline's time for a decode step of the same sequences without drafts."""
+        requests, context = step.decode_requests, decode_context_tokens(step)
+        flops = self.cost.decode_flops(requests, context)
+        moved = self._weights_read(requests) + context * self._kv_bytes + requests * self._kv_bytes
+        return self._roofline_seconds(flops, moved)
+
     def __call__(self, step: StepRecord) -> StepCost:
         """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
-        cost = self.cost
         model_flops, model_read, model_written = self.model_step_cost(step)
-        flops = step.flops if step.flops is not None else model_flops
-        read_bytes = step.read_bytes if step.read_bytes is not None else model_read
-        written_bytes = step.written_bytes if step.written_bytes is not None else model_written
-        total_tokens = step.prefill_tokens + step.decode_tokens
+        speculative = step.speculative
+        drafter_flops, drafter_bytes = self._drafter_work(step)
+        if speculative is None:
+            flops = step.flops if step.flops is not None else model_flops
+            read_bytes = step.read_bytes if step.read_bytes is not None else model_read
+            written_bytes = step.written_bytes if step.written_bytes is not None else model_written
+        else:  # the engine's estimate takes a verify step for prefill: the cost model's, and the drafter's work
+            flops, read_bytes, written_bytes = model_flops + drafter_flops, model_read + drafter_bytes, model_written
+        emitted = step.decode_tokens - speculative.rejected_tokens if speculative is not None else step.decode_tokens
+        emitted = max(0, emitted)
         kind = step.kind
-        if kind != "mixed":
-            whole = PhaseShare(
-                total_tokens,
-                step.prefill_requests + step.decode_requests,
+        kv_bytes = self._kv_bytes
+        if kind == "prefill":
+            prefill = PhaseShare(
+                step.prefill_tokens,
+                step.prefill_requests,
                 step.elapsed_seconds,
                 flops,
                 read_bytes,
                 written_bytes,
-            )
-            empty = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0)
-            shares = {"prefill": whole, "decode": empty} if kind == "prefill" else {"prefill": empty, "decode": whole}
-            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
-        token_share = step.decode_tokens / total_tokens
-        # Decode pays what a decode-only step of its batch would move: the weights once and
-        # its own sequences' KV (by the cost model, at most the step's total); the chunk pays
-        # the rest, everything it adds (its KV, its activations).
-        kv_bytes = self._kv_bytes
-        decode_alone_read = self._weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
-        decode_read_bytes = min(read_bytes, decode_alone_read)
-        decode_written = min(written_bytes, step.decode_tokens * kv_bytes)
-        # FLOPs: decode pays its decode-only cost by the cost model (at most the step's); the chunk the rest.
-        decode_flops = min(flops, cost.decode_flops(step.decode_tokens, decode_context_tokens(step)))
-        prefill_flops, prefill_read_bytes = flops - decode_flops, read_bytes - decode_read_bytes
-        prefill_written = written_bytes - decode_written
-
-        def roofline_seconds(phase_flops: float, moved: float) -> float:
-            return max(moved / self._bandwidth, phase_flops / self._flops)
-
-        decode_time = roofline_seconds(decode_flops, decode_read_bytes + decode_written)
-        prefill_time = roofline_seconds(prefill_flops, prefill_read_bytes + prefill_written)
-        time_share = decode_time / (decode_time + prefill_time) if decode_time + prefill_time else token_share
-        decode_seconds = step.elapsed_seconds * time_share
-        shares = {
-            "prefill": PhaseShare(
                 step.prefill_tokens,
-                step.prefill_requests,
-                step.elapsed_seconds - decode_seconds,
-                prefill_flops,
-                prefill_read_bytes,
-                prefill_written,
-            ),
-            "decode": PhaseShare(
-                step.decode_tokens,
-                step.decode_requests,
-                decode_seconds,
-                decode_flops,
-                decode_read_bytes,
-                decode_written,
-            ),
-        }
-        return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+            )
+            return StepCost(
+                flops, read_bytes, written_bytes, model_flops, model_read, {"prefill": prefill, "decode": EMPTY_SHARE}
+            )
+        # Decode pays what a decode-only step of its batch would move: the weights once and
+        # its own sequences' KV (by the cost model, at most the step's total), and its drafter's work; the chunk
+        # pays the rest, everything it adds (its KV, its activations).
+        verify_flops = self._decode_flops(step)
+        verify_read = self._weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
+        verify_written = step.decode_tokens * kv_bytes
+        if kind == "decode":
+            decode_flops, decode_read, decode_written = flops, read_bytes, written_bytes
+            decode_seconds = step.elapsed_seconds
+        else:
+            decode_flops = min(flops, verify_flops + drafter_flops)
+            decode_read = min(read_bytes, verify_read + drafter_bytes)
+            decode_written = min(written_bytes, verify_written)
+            decode_time = self._roofline_seconds(decode_flops, decode_read + decode_written)
+            prefill_time = self._roofline_seconds(
+                flops - decode_flops, read_bytes - decode_read + written_bytes - decode_written
+            )
+            total_time = decode_time + prefill_time
+            share = (
+                decode_time / total_time
+                if total_time
+                else step.decode_tokens / (step.decode_tokens + step.prefill_tokens)
+            )
+            decode_seconds = step.elapsed_seconds * share
+        decode = PhaseShare(
+            step.decode_tokens,
+            step.decode_requests,
+            decode_seconds,
+            decode_flops,
+            decode_read,
+            decode_written,
+            emitted,
+        )
+        prefill = PhaseShare(
+            step.prefill_tokens,
+            step.prefill_requests,
+            step.elapsed_seconds - decode_seconds,
+            flops - decode_flops,
+            read_bytes - decode_read,
+            written_bytes - decode_written,
+            step.prefill_tokens,
+        )
+        shares = {"prefill": prefill, "decode": decode}
+        if speculative is None:
+            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+        verify_seconds = self._roofline_seconds(verify_flops, verify_read + verify_written)
+        drafter_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
+        useful = verify_flops * emitted / step.decode_tokens if step.decode_tokens else 0.0
+        speculation = SpeculativeCost(
+            requests=step.decode_requests,
+            positions=step.decode_tokens,
+            emitted_tokens=emitted,
+            useful_flops=useful,
+            wasted_flops=verify_flops - useful,
+            drafter_flops=drafter_flops,
+            drafter_bytes=drafter_bytes,
+            drafter_seconds=decode_seconds * drafter_seconds / (verify_seconds + drafter_seconds)
+            if verify_seconds + drafter_seconds
+            else 0.0,
+            verify_memory_seconds=(verify_read + verify_written) / self._bandwidth,
+            verify_compute_seconds=verify_flops / self._flops,
+            speculative_seconds=verify_seconds + drafter_seconds,
+            plain_seconds=self._plain_decode_seconds(step),
+        )
+        return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, speculation)
 
 
 def attribute_step(
-    step: StepRecord, cost: ModelCost, peak_bandwidth_bytes_per_second: float, peak_flops: float
+    step: StepRecord,
+    cost: ModelCost,
+    peak_bandwidth_bytes_per_second: float,
+    peak_flops: float,
+    drafter: Drafter | None = None,
 ) -> StepCost:
     """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
-    return StepAttributor(cost, peak_bandwidth_bytes_per_second, peak_flops)(step)
+    return StepAttributor(cost, peak_bandwidth_bytes_per_second, peak_flops, drafter)(step)

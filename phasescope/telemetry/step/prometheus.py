@@ -17,11 +17,11 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from phasescope.telemetry.histograms import observe_all
-from phasescope.telemetry.step.aggregator import StepAggregator, StepSink
+from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, SchedulerState, StepRecord
 from phasescope.telemetry.step.verdict import VERDICTS
-from phasescope.telemetry.step.window import WAIT_REASONS, DeviceFigures, PhaseFigures
+from phasescope.telemetry.step.window import SPECULATION_READINGS, WAIT_REASONS, DeviceFigures, PhaseFigures
 
 # Gaps between tokens: a quarter millisecond (a small model's decode step on a GPU)
 # to seconds on a loaded CPU.
@@ -192,7 +192,16 @@ class StepMetrics(StepSink, Collector):
         window = f"over the last {window_of_steps.window_seconds:g} s of engine steps"
         labels = ["model", "engine", "phase"]
         tokens_per_second = GaugeMetricFamily(
-            "phasescope_tokens_per_second", f"Tokens per second per phase {window}.", labels=labels
+            "phasescope_tokens_per_second",
+            f"Tokens produced per second per phase {window} (decode: emitted tokens, drafts rejected under "
+            "speculative decoding left out).",
+            labels=labels,
+        )
+        computed_per_second = GaugeMetricFamily(
+            "phasescope_computed_tokens_per_second",
+            f"Positions computed per second per phase {window}: phasescope_tokens_per_second plus, under "
+            "speculative decoding, the drafts the verify steps rejected.",
+            labels=labels,
         )
         bandwidth = GaugeMetricFamily(
             "phasescope_memory_bandwidth_utilization_ratio",
@@ -220,6 +229,7 @@ class StepMetrics(StepSink, Collector):
         for (engine, phase), figures in phases.items():
             values = [self._model, str(engine), phase]
             tokens_per_second.add_metric(values, figures.tokens_per_second)
+            computed_per_second.add_metric(values, figures.computed_tokens_per_second)
             if figures.memory_bandwidth_utilization is not None:
                 bandwidth.add_metric(values, figures.memory_bandwidth_utilization)
             if figures.compute_utilization is not None:
@@ -228,7 +238,7 @@ class StepMetrics(StepSink, Collector):
                 intensity.add_metric(values, figures.arithmetic_intensity)
             if phase == "decode":
                 batch.add_metric([self._model, str(engine)], figures.batch_size or 0.0)
-        yield from (tokens_per_second, bandwidth, compute, intensity, batch)
+        yield from (tokens_per_second, computed_per_second, bandwidth, compute, intensity, batch)
         yield from self._device_families(devices, window)
         yield from self._answer_families(phases, devices)
         agreement = window_of_steps.agreement()
@@ -318,7 +328,8 @@ class StepMetrics(StepSink, Collector):
             "compute; absent without --accelerator-cost-per-hour.",
             labels=["model", "engine"],
         )
-        for view in self._steps.views_of(phases, devices):
+        views = self._steps.views_of(phases, devices)
+        for view in views:
             labels = [self._model, str(view.engine)]
             queue.add_metric(labels, view.queue_share)
             for reason in WAIT_REASONS:
@@ -344,6 +355,63 @@ class StepMetrics(StepSink, Collector):
         yield from (bound, overhead, queue, room, waits, waiting_now, kv_capacity, kv_used, sequences_fit, preempted)
         if self._steps.cost_per_hour is not None:
             yield from (per_million, idle_cost)
+        yield from self._speculation_families(views)
+
+    def _speculation_families(self, views: list[EngineView]) -> Iterator[Metric]:
+        """Speculative decoding over the window, per engine that verified drafts in it (docs/metrics.md)."""
+        labels = ["model", "engine"]
+        acceptance = GaugeMetricFamily(
+            "phasescope_speculative_acceptance_ratio",
+            "Accepted ÷ drafted tokens of the verify steps over the window.",
+            labels=labels,
+        )
+        length = GaugeMetricFamily(
+            "phasescope_speculative_mean_acceptance_length",
+            "Tokens a sequence emits per verify step over the window: its accepted drafts and one of its own.",
+            labels=labels,
+        )
+        useful = GaugeMetricFamily(
+            "phasescope_speculative_useful_flops_ratio",
+            "The emitted positions' FLOPs ÷ all decode FLOPs of the verify steps (rejected drafts and the drafter's "
+            "own work are the rest), over the window.",
+            labels=labels,
+        )
+        drafter = GaugeMetricFamily(
+            "phasescope_speculative_drafter_time_ratio",
+            "The drafter's share of the verify steps' decode time (its roofline share; 0 for an n-gram drafter, "
+            "which runs on the host), over the window.",
+            labels=labels,
+        )
+        gain = GaugeMetricFamily(
+            "phasescope_speculative_gain_ratio",
+            "Emitted tokens per second of roofline time with speculation ÷ without it for the same sequences at the "
+            "same context, over the window: below 1 speculation does not pay on this device.",
+            labels=labels,
+        )
+        reading = GaugeMetricFamily(
+            "phasescope_speculative_reading",
+            "1 for whether speculation pays over the window (paying; else why not: compute — the verify steps are "
+            "compute-bound at this batch; acceptance — too few drafts accepted for k, or the drafter too dear), "
+            "0 for the others.",
+            labels=[*labels, "reading"],
+        )
+        for view in views:
+            figures = view.speculation
+            if figures is None:
+                continue
+            values = [self._model, str(view.engine)]
+            acceptance.add_metric(values, figures.acceptance_rate)
+            length.add_metric(values, figures.mean_acceptance_length)
+            if (share := figures.useful_flops_share) is not None:
+                useful.add_metric(values, share)
+            if (time_share := figures.drafter_time_share) is not None:
+                drafter.add_metric(values, time_share)
+            if (ratio := figures.gain) is not None:
+                gain.add_metric(values, ratio)
+            if (current := figures.reading) is not None:
+                for name in SPECULATION_READINGS:
+                    reading.add_metric([*values, name], 1.0 if name == current else 0.0)
+        yield from (acceptance, length, useful, drafter, gain, reading)
 
     def _device_families(self, devices: dict[int, DeviceFigures], window: str) -> Iterator[Metric]:
         labels = ["model", "engine"]

@@ -41,6 +41,8 @@ class PhaseFigures:
     """One phase of one engine over the window. Operating-point figures are None when no step carried the phase."""
 
     tokens_per_second: float
+    """Tokens the phase produced per second (decode: emitted tokens; under speculative decoding the verified
+    positions less the rejected drafts)."""
     memory_bandwidth_utilization: float | None
     """This phase's share of the device's bandwidth: its bytes moved ÷ window ÷ peak bytes/s."""
     compute_utilization: float | None
@@ -56,6 +58,8 @@ class PhaseFigures:
     """Σ this phase's FLOPs ÷ peak FLOP/s."""
     predicted_seconds: float = 0.0
     """Σ per step max(bytes time, FLOPs time): the roofline's time for the phase's work."""
+    computed_tokens_per_second: float = 0.0
+    """Positions computed per second: `tokens_per_second` plus, under speculative decoding, the rejected drafts."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,13 +79,33 @@ class DeviceFigures:
         return 1.0 - self.compute_utilization
 
 
+SPECULATION_READINGS = ("paying", "acceptance", "compute")
+"""Whether speculative decoding pays over the window (`SpeculationFigures.reading`)."""
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculationFigures:
-    """One engine's speculative decoding over the window (its verify steps' drafts)."""
+    """One engine's speculative decoding over the window: its verify steps' drafts and their cost (the part of
+    each step inside the window; `attribution.SpeculativeCost`)."""
 
     drafts: float
     drafted_tokens: float
     accepted_tokens: float
+    emitted_tokens: float = 0.0
+    positions: float = 0.0
+    """Decode positions the verify steps computed (each sequence's drafts and one of its own)."""
+    sequence_steps: float = 0.0
+    """Σ sequences per verify step: the tokens the same steps would have emitted without drafts."""
+    useful_flops: float = 0.0
+    wasted_flops: float = 0.0
+    drafter_flops: float = 0.0
+    drafter_seconds: float = 0.0
+    busy_seconds: float = 0.0
+    """Decode time of the verify steps (the drafter's included)."""
+    verify_memory_seconds: float = 0.0
+    verify_compute_seconds: float = 0.0
+    speculative_seconds: float = 0.0
+    plain_seconds: float = 0.0
 
     @property
     def acceptance_rate(self) -> float:
@@ -92,6 +116,37 @@ class SpeculationFigures:
     def mean_acceptance_length(self) -> float:
         """Tokens a sequence emits per verify step: its accepted drafts and one of its own (vLLM's definition)."""
         return 1.0 + self.accepted_tokens / self.drafts if self.drafts else 0.0
+
+    @property
+    def useful_flops_share(self) -> float | None:
+        """The emitted positions' FLOPs ÷ all decode FLOPs of the verify steps (the drafter's included)."""
+        total = self.useful_flops + self.wasted_flops + self.drafter_flops
+        return self.useful_flops / total if total else None
+
+    @property
+    def drafter_time_share(self) -> float | None:
+        """The drafter's share of the verify steps' decode time."""
+        return self.drafter_seconds / self.busy_seconds if self.busy_seconds else None
+
+    @property
+    def gain(self) -> float | None:
+        """Emitted tokens per second of roofline time with speculation ÷ without it, for the same sequences at the
+        same context: above 1 speculation pays on this device (host time left out)."""
+        if not self.speculative_seconds or not self.plain_seconds or not self.sequence_steps:
+            return None
+        return (self.emitted_tokens / self.speculative_seconds) / (self.sequence_steps / self.plain_seconds)
+
+    @property
+    def reading(self) -> str | None:
+        """`paying`; else why not: `compute` when the verify steps are compute-bound (their positions cost FLOP
+        time, so drafts are no longer nearly free), `acceptance` when they are memory-bound (too few drafts are
+        accepted for k, or the drafter costs too much). None without figures."""
+        gain = self.gain
+        if gain is None:
+            return None
+        if gain >= 1.0:
+            return "paying"
+        return "compute" if self.verify_compute_seconds >= self.verify_memory_seconds else "acceptance"
 
 
 @dataclass(slots=True)
@@ -272,7 +327,8 @@ class StepWindow:
             mine = [(fraction, e) for fraction, e in entries if e.engine == engine and fraction > 0.0]
             for phase in PHASES:
                 carried = [(fraction, e.cost.shares[phase]) for fraction, e in mine if e.cost.shares[phase].tokens]
-                tokens = sum(fraction * share.tokens for fraction, share in carried)
+                tokens = sum(fraction * share.emitted_tokens for fraction, share in carried)
+                computed = sum(fraction * share.tokens for fraction, share in carried)
                 flops = sum(fraction * share.flops for fraction, share in carried)
                 moved = sum(fraction * share.moved_bytes for fraction, share in carried)
                 weight = sum(fraction for fraction, _ in carried)
@@ -297,6 +353,7 @@ class StepWindow:
                         fraction * max(memory, compute)
                         for (fraction, memory), (_, compute) in zip(memory_times, compute_times, strict=True)
                     ),
+                    computed_tokens_per_second=computed / window,
                 )
             flops = sum(fraction * e.cost.flops for fraction, e in mine)
             moved = sum(fraction * (e.cost.read_bytes + e.cost.written_bytes) for fraction, e in mine)
@@ -310,21 +367,34 @@ class StepWindow:
         return phases, devices
 
     def speculation(self) -> dict[int, SpeculationFigures]:
-        """Per engine that verified drafts in the window: its drafts, drafted and accepted tokens (the part of
-        each step inside the window)."""
+        """Per engine that verified drafts in the window: its drafts and their cost (the part of each step inside
+        the window)."""
         entries, _ = self._snapshot()
-        totals: dict[int, tuple[float, float, float]] = {}
+        totals: dict[int, list[float]] = {}
         for fraction, entry in entries:
-            speculative = entry.step.speculative
+            speculative, cost = entry.step.speculative, entry.cost.speculative
             if speculative is None or fraction <= 0.0:
                 continue
-            drafts, drafted, accepted = totals.get(entry.engine, (0.0, 0.0, 0.0))
-            totals[entry.engine] = (
-                drafts + fraction * speculative.drafts,
-                drafted + fraction * speculative.drafted_tokens,
-                accepted + fraction * speculative.accepted_tokens,
-            )
-        return {engine: SpeculationFigures(*figures) for engine, figures in totals.items()}
+            values: list[float] = [speculative.drafts, speculative.drafted_tokens, speculative.accepted_tokens]
+            if cost is not None:
+                values += [
+                    cost.emitted_tokens,
+                    cost.positions,
+                    cost.requests,
+                    cost.useful_flops,
+                    cost.wasted_flops,
+                    cost.drafter_flops,
+                    cost.drafter_seconds,
+                    entry.cost.shares["decode"].seconds,
+                    cost.verify_memory_seconds,
+                    cost.verify_compute_seconds,
+                    cost.speculative_seconds,
+                    cost.plain_seconds,
+                ]
+            sums = totals.setdefault(entry.engine, [0.0] * 15)
+            for index, value in enumerate(values):
+                sums[index] += fraction * value
+        return {engine: SpeculationFigures(*sums) for engine, sums in totals.items()}
 
     def agreement(self) -> dict[str, float]:
         """Cost model ÷ engine estimate over the window, for FLOPs and bytes read (absent without engine estimates)."""

@@ -156,6 +156,18 @@ def test_a_speculating_engine_has_a_line_with_its_acceptance_and_tokens_per_veri
     assert "speculation accepted 60.0% of drafts · 2.80 tokens per verify step" in line_with(frame(snap), "speculation")
 
 
+def test_the_speculation_line_says_whether_it_pays_and_why_not() -> None:
+    snap = snapshot()
+    engine = snap.engines[0]
+    engine.speculative_acceptance_rate, engine.speculative_mean_acceptance_length = 0.6, 2.8
+    engine.speculative_gain, engine.speculative_reading = 2.1, "paying"
+    assert "pays 2.10×" in line_with(frame(snap), "speculation")
+    engine.speculative_gain, engine.speculative_reading = 0.8, "compute"
+    assert "does not pay (0.80×: verify compute-bound)" in line_with(frame(snap), "speculation")
+    engine.speculative_reading = "acceptance"
+    assert "acceptance too low" in line_with(frame(snap), "speculation")
+
+
 def test_latency_line_gives_quantiles_with_samples_and_phase_means() -> None:
     text = frame()
     assert "TTFT p50 287 ms p99 310 ms (3) · ITL p50 89.7 ms p99 120 ms (240)" in line_with(text, "latency")
