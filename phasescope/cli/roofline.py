@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -13,7 +15,13 @@ from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSo
 from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
 from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
-from phasescope.telemetry.model.speculation import MAX_SPECULATIVE_TOKENS, Speculation
+from phasescope.telemetry.model.speculation import (
+    FREE_DRAFTER,
+    MAX_SPECULATIVE_TOKENS,
+    Drafter,
+    Speculation,
+    speculation,
+)
 
 if TYPE_CHECKING:
     from phasescope.cli import Subparsers
@@ -81,12 +89,24 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     parser.add_argument(
         "--speculative-tokens",
         type=int,
-        help="speculative decoding: tokens drafted per step (k ≥ 1; with --acceptance-rate), for a free drafter",
+        help="speculative decoding: tokens drafted per step (k ≥ 1; with --acceptance-rate); the drafter is free "
+        "unless --draft-model or --draft-cost says what it costs",
     )
     parser.add_argument(
         "--acceptance-rate",
         type=float,
         help="speculative decoding: chance each drafted token is accepted, in [0, 1) (with --speculative-tokens)",
+    )
+    parser.add_argument(
+        "--draft-model",
+        help="speculative decoding: the draft model (folder, config.json or cached hub id), costed like --model on "
+        "the same device; its k decode steps are added to each verify step",
+    )
+    parser.add_argument(
+        "--draft-cost",
+        type=float,
+        help="speculative decoding: one draft step's time as a share of the model's decode step at the same batch "
+        "(Leviathan et al.'s c, ≥ 0; default 0: a free drafter); instead of --draft-model",
     )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
@@ -145,6 +165,28 @@ def _speculation_args(args: argparse.Namespace) -> tuple[int | None, float | Non
     if rate is not None and not 0 <= rate < 1:
         raise ValueError(f"--acceptance-rate must be in [0, 1), got {rate}")
     return tokens, rate
+
+
+def _drafter(args: argparse.Namespace, speculative_tokens: int | None) -> Drafter:
+    """--draft-model or --draft-cost (or neither: free), with --speculative-tokens; ValueError names the flag."""
+    folder, ratio = args.draft_model, args.draft_cost
+    if folder is not None and ratio is not None:
+        raise ValueError("--draft-cost and --draft-model are alternatives: give one or neither")
+    if speculative_tokens is None and (folder is not None or ratio is not None):
+        flag = "--draft-model" if folder is not None else "--draft-cost"
+        raise ValueError(f"{flag} needs --speculative-tokens and --acceptance-rate")
+    if ratio is not None:
+        if not (math.isfinite(ratio) and ratio >= 0):
+            raise ValueError(f"--draft-cost must be 0 or more (a draft step ÷ a decode step), got {ratio}")
+        return Drafter(cost_ratio=ratio)
+    if folder is not None:
+        try:
+            draft = model_cost_from_folder(folder, args.dtype, None, args.kv_cache_dtype)
+        except (ValueError, KeyError, OSError) as exc:
+            raise ValueError(f"--draft-model {folder}: {exc}") from exc
+        # Split over the same devices as the model it drafts for, its figures per device like the model's.
+        return Drafter(model=draft.sharded(args.tensor_parallel_size, args.pipeline_parallel_size), name=folder)
+    return FREE_DRAFTER
 
 
 def served_peaks(samples: Samples) -> HardwarePeaks | None:
@@ -297,21 +339,45 @@ def print_table(report: RooflineReport, cost_per_hour: float | None = None) -> N
 
 def print_speculation(spec: Speculation) -> None:
     out = sys.stdout
-    k, rate = spec.speculative_tokens, spec.acceptance_rate
+    k, rate, c = spec.speculative_tokens, spec.acceptance_rate, spec.draft_cost_ratio
+    if spec.draft_model is not None:
+        drafter = (
+            f"a draft model {spec.draft_model}: its k steps included, c = {c:.4g} of a decode step at batch "
+            f"{spec.best_speculative_tokens_batch_size}"
+        )
+    elif c > 0:
+        drafter = f"draft cost c = {c:g} of a decode step"
+    else:
+        drafter = "a free drafter: the upper bound"
     print(
-        f"speculative decoding, k = {k} drafted tokens at acceptance {rate:g} (a free drafter: the upper bound): "
+        f"speculative decoding, k = {k} drafted tokens at acceptance {rate:g} ({drafter}): "
         f"{spec.speculative_tokens_per_step:.4f} tokens emitted per verify step = (1 − a^(k+1)) ÷ (1 − a)",
         file=out,
     )
+    costly = spec.draft_model is not None or c > 0
     print(
         f"verify step: {k + 1} positions per sequence through one weight read; time = max(bytes ÷ peak bytes/s, "
-        "FLOPs ÷ peak FLOP/s); tok/s = tokens per step ÷ time",
+        "FLOPs ÷ peak FLOP/s); tok/s = tokens per step ÷ "
+        + ("(verify time + k × draft step time)" if costly else "time"),
         file=out,
     )
-    header = ("batch", "tok/s/seq", "tok/s total", "× decode", "TFLOP/s", "FLOP/byte", "bound")
+    if costly:
+        print(
+            "draft step: "
+            + (
+                "the draft model's decode step at the same batch and context on the same device"
+                if spec.draft_model is not None
+                else f"{c:g} × the decode step at the same batch"
+            )
+            + "; draft ms = k draft steps per round",
+            file=out,
+        )
+    header: tuple[str, ...] = ("batch", "tok/s/seq", "tok/s total", "× decode", "TFLOP/s", "FLOP/byte", "bound")
+    if costly:
+        header = (*header, "draft ms")
     print("".join(f"{h:>13}" for h in header), file=out)
     for row in spec.rows:
-        cells = (
+        cells: tuple[str, ...] = (
             f"{row.batch_size}",
             f"{row.speculative_tokens_per_second_per_sequence:,.2f}",
             f"{row.speculative_tokens_per_second_total:,.1f}",
@@ -320,7 +386,9 @@ def print_speculation(spec: Speculation) -> None:
             f"{row.speculative_arithmetic_intensity_flops_per_byte:,.1f}",
             row.speculative_bound,
         )
-        print("".join(f"{c:>13}" for c in cells), file=out)
+        if costly:
+            cells = (*cells, f"{row.speculative_draft_seconds * 1e3:,.4f}")
+        print("".join(f"{cell:>13}" for cell in cells), file=out)
     print(
         f"best k at acceptance {rate:g}, batch {spec.best_speculative_tokens_batch_size}: "
         f"{spec.best_speculative_tokens} ({spec.best_speculative_tokens_per_step:.4f} tokens per step; "
@@ -484,6 +552,7 @@ def cmd(args: argparse.Namespace) -> int:
         return 2
     try:
         speculative_tokens, acceptance_rate = _speculation_args(args)
+        drafter = _drafter(args, speculative_tokens)
     except ValueError as exc:
         print(f"phasescope roofline: {exc}", file=sys.stderr)
         return 2
@@ -495,9 +564,12 @@ def cmd(args: argparse.Namespace) -> int:
         context_length=args.context,
         prefill_tokens=args.prompt_tokens,
         memory_utilization=args.gpu_memory_utilization,
-        speculative_tokens=speculative_tokens,
-        acceptance_rate=acceptance_rate,
     )
+    if speculative_tokens is not None and acceptance_rate is not None:
+        # Beside the rows roofline() kept (none when the weights do not fit), with the drafter's cost.
+        batches = tuple(row.batch_size for row in report.rows)
+        spec = speculation(cost, peaks, args.dtype, batches, args.context, speculative_tokens, acceptance_rate, drafter)
+        report = replace(report, speculation=spec)
     fits = report.capacity is None or report.capacity.weights_fit
     if not fits and not args.json:
         print(f"phasescope roofline: {does_not_fit(report)}", file=sys.stderr)

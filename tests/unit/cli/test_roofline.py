@@ -264,3 +264,84 @@ def test_speculation_flags_out_of_range_or_alone_are_one_line_naming_the_flag(
     flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     assert message in refusal(["roofline", "--params", "1e9", *flags], capsys)
+
+
+def test_a_draft_cost_adds_k_draft_steps_to_each_round(capsys: pytest.CaptureFixture[str]) -> None:
+    # tests/unit/telemetry/model/test_speculation.py derives these: at batch 1 the round is the 20.896 ms
+    # decode step + 4 × 0.05 of it: 2.7731 ÷ 1.2 = 2.31 × plain decode (47.857 tok/s), 110.59 tok/s; the
+    # best k falls from 16 to 6 and speculation stops helping at batch 152 instead of 164.
+    assert main([*SPECULATIVE_70B, "--draft-cost", "0.05", "--batch-sizes", "1,64,256"]) == 0
+    out = capsys.readouterr().out
+    assert "(draft cost c = 0.05 of a decode step)" in out
+    assert "tok/s = tokens per step ÷ (verify time + k × draft step time)" in out
+    assert "best k at acceptance 0.7, batch 1: 6 (3.0588 tokens per step" in out
+    assert "speculation stops helping at batch 152" in out
+    batch_1 = next(line for line in out.splitlines() if line.split()[:2] == ["1", "110.59"])
+    # The verify step's own figures are unchanged; the last column: 4 × 0.05 × 20.896 ms of drafting.
+    assert batch_1.split()[3:] == ["2.31", "16.750", "5.0", "memory", "4.1791"]
+
+
+def test_the_free_drafter_is_named_in_the_header(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main([*SPECULATIVE_70B, "--batch-sizes", "1"]) == 0
+    assert "(a free drafter: the upper bound)" in capsys.readouterr().out
+    # --draft-cost 0 is the free drafter.
+    assert main([*SPECULATIVE_70B, "--batch-sizes", "1", "--draft-cost", "0", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert (data["draft_cost_ratio"], data["draft_model"], data["best_speculative_tokens"]) == (0.0, None, 16)
+    assert data["rows"][0]["speculative_draft_seconds"] == 0.0
+
+
+def test_the_model_as_its_own_draft_model_costs_c_1_and_gives_no_speedup(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
+    argv = ["roofline", "--model", str(tmp_path), "--tensor-parallel-size", "4", "--context", "1024"]
+    argv += ["--speculative-tokens", "4", "--acceptance-rate", "0.7", "--draft-model", str(tmp_path)]
+    assert main([*argv, "--batch-sizes", "1,64", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    # Each draft step is the model's own decode step: a round of 1 + 4 decode steps emits 2.7731 tokens.
+    assert data["draft_cost_ratio"] == pytest.approx(1.0, rel=1e-12)
+    assert data["draft_model"] == str(tmp_path)
+    batch_1 = data["rows"][0]
+    assert batch_1["speculative_draft_seconds"] == pytest.approx(4 * batch_1["step_seconds"], rel=1e-12)
+    assert batch_1["speculative_speedup_ratio"] == pytest.approx(2.7731 / 5, rel=1e-4)
+    assert [row["speculation_helps"] for row in data["rows"]] == [False, False]
+    assert (data["best_speculative_tokens"], data["speculation_stops_helping_batch_size"]) == (1, 1)
+    assert main([*argv, "--batch-sizes", "1"]) == 0
+    out = capsys.readouterr().out
+    assert f"(a draft model {tmp_path}: its k steps included, c = 1 of a decode step at batch 1)" in out
+
+
+def test_plot_draws_the_verify_steps_with_a_draft_model(tmp_path: Path) -> None:
+    (tmp_path / "config.json").write_text(json.dumps(LLAMA_3_1_70B))
+    path = tmp_path / "roofline.png"
+    argv = ["roofline", "--model", str(tmp_path), "--tensor-parallel-size", "4", "--speculative-tokens", "4"]
+    argv += ["--acceptance-rate", "0.7", "--draft-model", str(tmp_path), "--plot", str(path)]
+    assert main(argv) == 0
+    assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+SPECULATING = ["--speculative-tokens", "4", "--acceptance-rate", "0.7"]
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (
+            [*SPECULATING, "--draft-cost", "-0.1"],
+            "--draft-cost must be 0 or more (a draft step ÷ a decode step), got -0.1",
+        ),
+        ([*SPECULATING, "--draft-cost", "nan"], "--draft-cost must be 0 or more"),
+        (
+            [*SPECULATING, "--draft-cost", "0.1", "--draft-model", "nowhere"],
+            "--draft-cost and --draft-model are alternatives: give one or neither",
+        ),
+        (["--draft-cost", "0.1"], "--draft-cost needs --speculative-tokens and --acceptance-rate"),
+        (["--draft-model", "nowhere"], "--draft-model needs --speculative-tokens and --acceptance-rate"),
+        ([*SPECULATING, "--draft-model", "/nowhere/at/all"], "--draft-model /nowhere/at/all: no model at"),
+    ],
+)
+def test_drafter_flags_wrong_or_alone_are_one_line_naming_the_flag(
+    flags: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert message in refusal(["roofline", "--params", "1e9", *flags], capsys)

@@ -1,10 +1,13 @@
 """Speculative decoding in the calculator: tokens per verify step, the verify step's roofline, and when it pays.
 
 Every figure is derived by hand in the comments. The drafter is free (an n-gram drafter: the upper
-bound) and each drafted token is accepted with the same probability a, independently.
+bound) unless a test gives it a cost (a draft model, or a share c of the decode step), and each
+drafted token is accepted with the same probability a, independently.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 
@@ -12,13 +15,18 @@ from phasescope.telemetry.hardware.peaks import HardwarePeaks, lookup_device
 from phasescope.telemetry.model.cost import model_cost_from_config, model_cost_from_numbers
 from phasescope.telemetry.model.roofline import decode_step, roofline
 from phasescope.telemetry.model.speculation import (
+    FREE_DRAFTER,
+    MAX_SPECULATIVE_TOKENS,
+    Drafter,
     best_speculative_tokens,
+    draft_step_seconds,
     expected_tokens_per_step,
+    speculation,
     speculative_speedup,
     stops_helping_batch_size,
     verify_step,
 )
-from support.model_configs import LLAMA_3_1_70B, MIXTRAL_8X7B
+from support.model_configs import LLAMA_3_1_8B, LLAMA_3_1_70B, MIXTRAL_8X7B
 
 
 def datasheet(name: str) -> HardwarePeaks:
@@ -189,3 +197,132 @@ def test_speculative_tokens_without_an_acceptance_rate_is_refused() -> None:
     cost = model_cost_from_numbers(1_000_000_000, "bf16")
     with pytest.raises(ValueError, match="go together"):
         roofline(cost, H100, "bf16", speculative_tokens=4)
+
+
+# The drafter's cost: k draft steps, one token per sequence each, before every verify step.
+
+SMOLLM2_135M = {
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 576,
+    "intermediate_size": 1536,
+    "num_attention_heads": 9,
+    "num_key_value_heads": 3,
+    "num_hidden_layers": 30,
+    "head_dim": 64,
+    "vocab_size": 49152,
+    "tie_word_embeddings": True,
+}
+
+
+@pytest.mark.parametrize("draft_cost", [0.02, 0.05, 0.1, 0.3])
+@pytest.mark.parametrize("speculative_tokens", [1, 4, 8])
+def test_a_draft_cost_c_gives_leviathan_s_speedup_while_the_verify_step_is_memory_bound(
+    draft_cost: float, speculative_tokens: int
+) -> None:
+    # SmolLM2-135M on an H100 at batch 1, context 1,024: 0.27 GB of weights and 23 MB of KV per step against
+    # 0.27 GFLOP per position: the verify step of k + 1 ≤ 9 positions stays far below the ridge (295), so
+    # it lasts the decode step t. A round = t + k × c × t, and the sequence emits E per round against
+    # plain decode's 1 per t: speedup = E ÷ (1 + k × c) (Leviathan et al. 2023, eq. 1 with the verify
+    # step's own cost 1).
+    cost = model_cost_from_config(SMOLLM2_135M, None, "bfloat16")
+    assert verify_step(cost, H100, "bf16", 1, 1024, speculative_tokens).bound == "memory"
+    drafter = Drafter(cost_ratio=draft_cost)
+    emitted = expected_tokens_per_step(0.7, speculative_tokens)
+    speedup = speculative_speedup(cost, H100, "bf16", 1, 1024, speculative_tokens, 0.7, drafter)
+    assert speedup == pytest.approx(emitted / (1 + speculative_tokens * draft_cost), rel=1e-12)
+    # The k draft steps: k × c × the decode step.
+    plain = decode_step(cost, H100, "bf16", 1, 1024).step_seconds
+    (row,) = speculation(cost, H100, "bf16", (1,), 1024, speculative_tokens, 0.7, drafter).rows
+    assert row.speculative_draft_seconds == pytest.approx(speculative_tokens * draft_cost * plain, rel=1e-12)
+    assert row.speculative_tokens_per_second_per_sequence == pytest.approx(
+        emitted / (plain * (1 + speculative_tokens * draft_cost)), rel=1e-12
+    )
+
+
+def test_a_costly_drafter_has_an_interior_best_k() -> None:
+    # At a = 0.7 with c = 0.05 and a memory-bound verify step, tok/s ∝ E(k) ÷ (1 + 0.05 k): k = 4: 2.7731 ÷ 1.2
+    # = 2.3109; k = 5: 2.9412 ÷ 1.25 = 2.35294; k = 6: 3.0588 ÷ 1.3 = 2.35294 (2 × 10⁻⁶ more); k = 7:
+    # 3.1412 ÷ 1.35 = 2.3268; from there E gains less than 0.7ᵏ⁺¹ while the round grows by 0.05. Best: 6.
+    # A free drafter's best is the search's bound, 16; c = 0.1 moves it to 4 (1.9808 against 1.9485 at 3).
+    cost = model_cost_from_config(SMOLLM2_135M, None, "bfloat16")
+    assert best_speculative_tokens(cost, H100, "bf16", 1024, 0.7) == MAX_SPECULATIVE_TOKENS == 16
+    assert best_speculative_tokens(cost, H100, "bf16", 1024, 0.7, Drafter(cost_ratio=0.05)) == 6
+    assert best_speculative_tokens(cost, H100, "bf16", 1024, 0.7, Drafter(cost_ratio=0.1)) == 4
+    spec = speculation(cost, H100, "bf16", (1,), 1024, 4, 0.7, Drafter(cost_ratio=0.05))
+    assert (spec.best_speculative_tokens, spec.draft_cost_ratio, spec.draft_model) == (6, 0.05, None)
+    assert spec.best_speculative_tokens_per_step == pytest.approx(3.0588, abs=1e-4)
+
+
+def test_a_draft_cost_moves_where_speculation_stops_helping_earlier() -> None:
+    # 70B at TP 2 on H100s, k = 4, a = 0.7 (test_70b_at_tensor_parallel_2_…): decode lasts t = 20.896 ms to
+    # batch 295, the verify step 5B × 70.78 µs from batch 59. With c = 0.05 a round adds 4 × 0.05 × t, so
+    # speculation helps while E × t > 5B × 70.78 µs + 0.2 t, i.e. B < (E − 0.2) × 59.04 = 151.93: it stops
+    # helping at batch 152 instead of 164.
+    cost = model_cost_from_numbers(70_000_000_000, "bf16").sharded(2, 1)
+    drafter = Drafter(cost_ratio=0.05)
+    assert stops_helping_batch_size(cost, H100, "bf16", 0, 4, 0.7, 512) == 164
+    assert stops_helping_batch_size(cost, H100, "bf16", 0, 4, 0.7, 512, drafter) == 152
+    assert speculative_speedup(cost, H100, "bf16", 151, 0, 4, 0.7, drafter) > 1
+    assert speculative_speedup(cost, H100, "bf16", 152, 0, 4, 0.7, drafter) <= 1
+
+
+def test_the_target_as_its_own_draft_model_costs_a_decode_step_per_draft_and_never_pays() -> None:
+    # Each draft step is the target's own decode step: c = 1 exactly, and at batch 1 the round lasts
+    # (1 + k) decode steps for E tokens: 2.7731 ÷ 5 = 0.555 ×. No k helps (E(k) < 1 + k): best k = 1.
+    cost = model_cost_from_config(SMOLLM2_135M, None, "bfloat16")
+    itself = Drafter(model=cost, name="SmolLM2-135M")
+    assert (
+        draft_step_seconds(cost, H100, "bf16", 1, 1024, itself) == decode_step(cost, H100, "bf16", 1, 1024).step_seconds
+    )
+    spec = speculation(cost, H100, "bf16", (1, 64), 1024, 4, 0.7, itself)
+    assert spec.draft_cost_ratio == pytest.approx(1.0, rel=1e-12)
+    assert spec.draft_model == "SmolLM2-135M"
+    assert spec.rows[0].speculative_speedup_ratio == pytest.approx(2.7731 / 5, rel=1e-4)
+    assert not any(row.speculation_helps for row in spec.rows)
+    assert spec.best_speculative_tokens == 1
+    assert spec.speculation_stops_helping_batch_size == 1
+
+
+def test_a_small_draft_model_costs_its_own_decode_step() -> None:
+    # Llama 3.1 8B drafting for Llama 3.1 70B, both over TP 4 on H100s, context 1,024: both decode steps are
+    # memory-bound at batch 1, so c = the 8B's bytes per step ÷ the 70B's (its own weights and its own KV:
+    # 32 layers × 8 KV heads × 128 × 2 × 2 bytes = 128 KiB a token, ÷ 4): 4,048,685,056 ÷ 35,360,739,328
+    # = 0.1145. Speedup at k = 4, a = 0.7: 2.7731 ÷ (1 + 4 × 0.1145) = 1.90, not the free drafter's 2.77.
+    target = model_cost_from_config(LLAMA_3_1_70B, None, "bfloat16").sharded(4, 1)
+    draft = model_cost_from_config(LLAMA_3_1_8B, None, "bfloat16").sharded(4, 1)
+    drafter = Drafter(model=draft, name="llama-3.1-8b")
+    plain, drafted = decode_step(target, H100, "bf16", 1, 1024), decode_step(draft, H100, "bf16", 1, 1024)
+    assert (plain.bound, drafted.bound) == ("memory", "memory")
+    spec = speculation(target, H100, "bf16", (1,), 1024, 4, 0.7, drafter)
+    assert spec.draft_cost_ratio == pytest.approx(drafted.bytes_per_step / plain.bytes_per_step, rel=1e-12)
+    assert spec.draft_cost_ratio == pytest.approx(4_048_685_056 / 35_360_739_328, rel=1e-12)
+    (row,) = spec.rows
+    assert row.speculative_draft_seconds == pytest.approx(4 * drafted.step_seconds, rel=1e-12)
+    assert row.speculative_speedup_ratio == pytest.approx(2.7731 / (1 + 4 * spec.draft_cost_ratio), rel=1e-3)
+
+
+def test_a_drafter_is_a_model_or_a_ratio_of_at_least_0() -> None:
+    cost = model_cost_from_numbers(1_000_000_000, "bf16")
+    with pytest.raises(ValueError, match="draft cost ratio must be a finite number ≥ 0"):
+        Drafter(cost_ratio=-0.1)
+    with pytest.raises(ValueError, match="draft cost ratio must be a finite number ≥ 0"):
+        Drafter(cost_ratio=float("nan"))
+    with pytest.raises(ValueError, match="not both"):
+        Drafter(model=cost, cost_ratio=0.1)
+    assert FREE_DRAFTER.free
+    assert not Drafter(cost_ratio=0.1).free
+    assert not Drafter(model=cost).free
+
+
+def test_json_carries_the_drafter_at_top_level_and_its_draft_seconds_in_each_row() -> None:
+    cost = model_cost_from_numbers(70_000_000_000, "bf16").sharded(2, 1)
+    report = roofline(cost, H100, "bf16", batch_sizes=(1, 2), speculative_tokens=4, acceptance_rate=0.7)
+    # roofline() alone assumes the free drafter: c = 0, no model, no draft seconds.
+    data = report.to_json()
+    assert (data["draft_cost_ratio"], data["draft_model"]) == (0.0, None)
+    assert [row["speculative_draft_seconds"] for row in data["rows"]] == [0.0, 0.0]
+    spec = speculation(cost, H100, "bf16", (1, 2), 0, 4, 0.7, Drafter(cost_ratio=0.05))
+    data = replace(report, speculation=spec).to_json()
+    assert (data["draft_cost_ratio"], data["draft_model"]) == (0.05, None)
+    # Batch 1: 4 × 0.05 × 20.896 ms = 4.179 ms of drafting per round.
+    assert data["rows"][0]["speculative_draft_seconds"] == pytest.approx(4 * 0.05 * 70e9 / 3.35e12)
