@@ -16,6 +16,9 @@ Definitions (the formulas are printed with the results, `summary.FORMULAS`):
   goodput: requests that met every --slo objective (vLLM's `request_goodput` ÷ duration)
   front-end CPU = user + system seconds of the serving front-end process only
                   (not its engine-core processes) per 1,000 streamed tokens
+  speculative decoding (a server with --speculative-config, from its counters over the run):
+    speculative_acceptance_rate = accepted ÷ drafted tokens,
+    speculative_mean_acceptance_length = 1 + accepted tokens ÷ drafts; absent without them
 
 What a run can do: a sweep of fixed points (a rate sweep stops at the first
 over-saturated point), or an SLA search for the highest rate or concurrency whose

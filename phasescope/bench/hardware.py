@@ -3,7 +3,8 @@
 Two kinds of figures:
 - **counter deltas** over exactly the run (`server_view`): tokens/s per phase, bandwidth
   saturation (MBU) and compute utilisation (MFU) per phase and for the device, compute
-  idleness, mean phase times per request;
+  idleness, mean phase times per request; and speculative decoding's acceptance
+  (`speculative_view`), from phasescope's counters or vLLM's own, on any server that exports them;
 - **gauges sampled during the run** (`MetricsSampler`, `gauge_view`) for what the server only
   exports as a current value: the verdict per phase (`phasescope_bound`), host overhead,
   headroom and its binding limit, queue-wait share and KV-cache usage. The verdict, host
@@ -76,6 +77,35 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
     view["server_device_compute_utilization"] = compute_utilization(device_flops)
     # Compute idleness is the device's: 1 − MFU of all steps.
     view["server_device_compute_idleness"] = 1.0 - compute_utilization(device_flops)
+    return view
+
+
+SPECULATIVE_SERIES = (
+    ("phasescope_speculative_drafts_total", "phasescope_speculative_drafted_tokens_total",
+     "phasescope_speculative_accepted_tokens_total"),
+    ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+     "vllm:spec_decode_num_accepted_tokens_total"),
+)  # fmt: skip
+"""Speculative decoding's counters (drafts, drafted tokens, accepted tokens), summed over `model` and `engine`:
+phasescope's, else vLLM's own (its OpenAI server's, or its gRPC worker's /metrics when it has one)."""
+
+
+def speculative_view(before: Samples, after: Samples) -> dict[str, float]:
+    """Speculative decoding over the run, from counter deltas: `speculative_drafted_tokens`,
+    `speculative_acceptance_rate` = accepted ÷ drafted and `speculative_mean_acceptance_length` = 1 + accepted ÷
+    drafts (tokens a sequence emits per verify step). Nothing when the server exports neither set of counters
+    (no speculation, or a server that does not count it), and no ratio when the run drafted nothing: an absent
+    figure, never a 0 that reads as a measurement. A series missing from `before` but present after was created
+    during the run (a labelled counter appears at its first increment): it counts from 0."""
+    exported = {name for name, _ in after}
+    names = next((series for series in SPECULATIVE_SERIES if set(series) <= exported), None)
+    if names is None:
+        return {}
+    drafts, drafted, accepted = (sum_samples(after, name) - sum_samples(before, name) for name in names)
+    view: dict[str, float] = {"speculative_drafted_tokens": round(drafted)}
+    if drafts > 0 and drafted > 0:
+        view["speculative_acceptance_rate"] = accepted / drafted
+        view["speculative_mean_acceptance_length"] = 1.0 + accepted / drafts
     return view
 
 

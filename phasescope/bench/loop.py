@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import random
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from phasescope.bench.config import BenchConfig
-from phasescope.bench.hardware import MetricsSampler, gauge_view, server_view
+from phasescope.bench.hardware import MetricsSampler, gauge_view, server_view, speculative_view
 from phasescope.bench.saturation import check_saturation
 from phasescope.bench.search import BracketSearch
 from phasescope.bench.slo import goodput, meets
@@ -27,6 +28,8 @@ from phasescope.bench.summary import summarize
 from phasescope.bench.targets import Target
 from phasescope.bench.workload import BenchRequest, RequestRecord, derive_seed, workload
 from phasescope.telemetry.exposition import Samples, fetch_samples
+
+logger = logging.getLogger(__name__)
 
 WARMUP_CONCURRENCY = 4
 
@@ -100,8 +103,20 @@ def record_json(record: RequestRecord, start: float, slo: dict[str, float], toke
     return row
 
 
-async def _samples(url: str | None) -> Samples:
-    return await asyncio.to_thread(fetch_samples, url) if url else {}
+async def _counters(target: Target) -> Samples | None:
+    """The target's /metrics now, for counter deltas over a run (read before and after it, outside its timed and
+    CPU windows); None when it has none. A failed read of phasescope's fails the run, as it always has; of another
+    server's (read for speculative decoding's counters only) it leaves those figures out, with a warning."""
+    url = target.metrics_url or target.scrape_url
+    if not url:
+        return None
+    try:
+        return await asyncio.to_thread(fetch_samples, url)
+    except (OSError, ValueError) as exc:
+        if target.metrics_url:
+            raise
+        logger.warning("reading %s failed: %s", url, exc)
+        return None
 
 
 async def run_once(
@@ -111,7 +126,7 @@ async def run_once(
     """One run of a point on one target: its figures, goodput, saturation check, server view and records."""
     from tqdm import tqdm
 
-    before = await _samples(target.metrics_url)
+    before = await _counters(target)
     cpu_before = target.frontend_cpu_seconds()
     label = f"{target.name} {load}={value:g} #{repeat + 1}"
     sampler = None
@@ -136,17 +151,23 @@ async def run_once(
         run["frontend_cpu_seconds_per_1k_tokens"] = (cpu_after - cpu_before) / (run["total_output_tokens"] / 1e3)
     if sampler:
         run["metrics_reads"] = sampler.reads
-    if target.metrics_url and sampler:
-        run.update(server_view(before, await _samples(target.metrics_url), duration))
-        run.update(gauge_view(sampler.snapshots))
+    after = await _counters(target) if before is not None else None
+    if before is not None and after is not None:
+        # Any server's speculative decoding (phasescope's counters or vLLM's); the rest is phasescope's alone.
+        run.update(speculative_view(before, after))
+        if target.metrics_url and sampler:
+            run.update(server_view(before, after, duration))
+            run.update(gauge_view(sampler.snapshots))
     saturation = check_saturation(records)
     run["saturation"] = saturation.to_dict()
     run["records"] = [record_json(r, start, config.slo, config.token_times) for r in records]
     good = f"  goodput {run['goodput_ratio']:5.1%}" if config.slo else ""
     flag = "  over-saturated" if saturation.over_saturated else ""
+    rate = run.get("speculative_acceptance_rate")
+    accepted = f"  accepted {rate:5.1%}" if rate is not None else ""
     print(
         f"{label:>28} {run['output_throughput']:8.1f} tok/s  TTFT p50 {run['median_ttft_ms']:8.1f} ms  "
-        f"TPOT p50 {run['median_tpot_ms']:7.1f} ms{good}  errors {run['errors']}{flag}",
+        f"TPOT p50 {run['median_tpot_ms']:7.1f} ms{good}{accepted}  errors {run['errors']}{flag}",
         flush=True,
     )
     return run

@@ -26,6 +26,9 @@ FORMULAS = {
     "tokens_per_second_per_user": "1000 ÷ median TPOT (ms): the decode speed one stream sees",
     "server_device_bandwidth_saturation": "bytes the model moved ÷ duration ÷ peak memory bandwidth (MBU)",
     "server_device_compute_utilization": "model FLOPs ÷ duration ÷ peak FLOP/s (MFU); idleness = 1 − MFU",
+    "speculative_acceptance_rate": "Δ accepted tokens ÷ Δ drafted tokens over the run, from the server's "
+    "speculative decoding counters (phasescope_speculative_*, else vllm:spec_decode_*); absent without them",
+    "speculative_mean_acceptance_length": "1 + Δ accepted tokens ÷ Δ drafts: tokens a sequence emits per verify step",
     "spread": "median, min and max of each figure over the point's repeats (each its own seed)",
 }
 
