@@ -4,6 +4,7 @@
 
     PhasescopeError
     ├── InvalidRequestError      the caller's fault: INVALID_ARGUMENT, names the field
+    ├── NotConfiguredError       asks for what this worker was not started with: FAILED_PRECONDITION, names the field
     ├── OverloadedError          too many requests admitted: RESOURCE_EXHAUSTED
     │   └── ClientLimitError     too many from this one caller: RESOURCE_EXHAUSTED
     ├── WatcherLimitError        --max-watchers telemetry watchers already: RESOURCE_EXHAUSTED
@@ -25,6 +26,15 @@ class PhasescopeError(Exception):
 
 class InvalidRequestError(PhasescopeError):
     """A request the server will never serve as sent."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+
+
+class NotConfiguredError(PhasescopeError):
+    """A request that needs what this worker was not started with (e.g. a KV transfer without a KV connector):
+    well formed, but for another worker, or for this one started otherwise."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.telemetry.model.cost import ModelCost
@@ -35,6 +35,9 @@ class EngineOptions:
     """vLLM's `KVEventsConfig` as a JSON object (empty: no KV-cache events)."""
     speculative_config: str = ""
     """vLLM's speculative decoding configuration as a JSON object (empty: off)."""
+    kv_transfer_config: str = ""
+    """vLLM's `KVTransferConfig` as a JSON object: the KV connector of a disaggregated prefill/decode pool (empty:
+    none)."""
 
 
 class EngineConfigError(ValueError):
@@ -53,6 +56,20 @@ class Speculative:
     """The drafter's weights, for a method that has a model (empty for n-gram)."""
     draft_cost: ModelCost | None = None
     """The drafter's cost per device, for a method that has a model (None: the drafter is host code)."""
+
+
+@dataclass(frozen=True, slots=True)
+class KvConnector:
+    """The engine's KV connector (--kv-transfer-config), as vLLM's own worker reports it to a gateway."""
+
+    connector: str
+    """The connector that moves a request's KV between the prefill and the decode worker: vLLM's name for it (e.g.
+    "NixlConnector"), a MultiConnector's one mover where it has one (smg-grpc-servicer's `resolve_pd_connector`)."""
+    role: str
+    """"kv_producer" (a prefill worker), "kv_consumer" (a decode worker) or "kv_both"."""
+    engine_id: str
+    """The id peers know this engine by (the mover's own where a MultiConnector's child names one; vLLM makes one
+    up when the configuration gives none)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +121,9 @@ class ModelDescription:
     """The engine's KV-cache event publishers, one per data-parallel rank (none: events are off)."""
     speculative: Speculative | None = None
     """Speculative decoding, when it is on."""
+    kv_connector: KvConnector | None = None
+    """The KV connector of a disaggregated prefill/decode pool (None: the engine runs none, and a request that asks
+    for a KV transfer is refused)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,6 +167,9 @@ class EngineStep:
     """On the sample's last step, under speculative decoding: the tokens its drafter proposed."""
     accepted_tokens: int = 0
     """On the sample's last step, under speculative decoding: the drafted tokens the verify steps kept."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """On the request's last step, what the KV connector hands the next worker (e.g. a prefill worker's
+    `remote_host`, `remote_port` and block ids for the decode worker), as vLLM returns it; None: nothing."""
 
 
 class Engine(Protocol):

@@ -7,7 +7,7 @@ for phasescope.v1); the request lifecycle and the engine see only these.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +55,17 @@ class StructuredOutput:
 
 
 @dataclass(frozen=True, slots=True)
+class KvTransfer:
+    """A request's KV-transfer parameters (disaggregated prefill and decode): opaque to phasescope, handed to the
+    engine's KV connector as they came (vLLM's `SamplingParams.extra_args["kv_transfer_params"]`)."""
+
+    params: dict[str, Any]
+    """The connector's parameters, a JSON object (never empty: an empty one asks for nothing)."""
+    field: str
+    """The request's field that carried them, as its protocol spells it: what a refusal names."""
+
+
+@dataclass(frozen=True, slots=True)
 class SamplingSpec:
     """Validated sampling values; None means "the model's default"."""
 
@@ -91,3 +102,5 @@ class SamplingSpec:
     """Words the output never contains (vLLM bans each one's tokens, with and without a leading space)."""
     n: int = 1
     """Samples drawn for the one prompt, each its own sequence in the engine (sample i's seed is `seed` + i)."""
+    kv_transfer: KvTransfer | None = None
+    """What the engine's KV connector is asked to do for this request (None: a request served on its own)."""

@@ -233,6 +233,10 @@ class Settings(BaseSettings):
     {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4} or {"method": "draft_model",
     "model": PATH, "num_speculative_tokens": 3}: a drafter proposes tokens that one verify step checks
     together; empty: off."""
+    kv_transfer_config: JsonObject = ""
+    """vLLM's KV connector, for a disaggregated prefill/decode pool, as JSON in vLLM's shape (--kv-transfer-config
+    of vLLM), e.g. {"kv_connector": "NixlConnector", "kv_role": "kv_both"}: GetServerInfo reports the connector,
+    role and engine id, and requests' kv_transfer_params reach it; empty: none (such requests are refused)."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
     gc_young_threshold: NoneOrMore = 0
@@ -305,6 +309,7 @@ class Settings(BaseSettings):
             distributed_executor_backend=self.distributed_executor_backend,
             kv_events_config=self.kv_events_config,
             speculative_config=self.speculative_config,
+            kv_transfer_config=self.kv_transfer_config,
         )
 
 

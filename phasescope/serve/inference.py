@@ -309,6 +309,9 @@ class InferenceServicer:
             speculative_method=d.speculative.method if d.speculative else "",
             speculative_tokens=d.speculative.num_speculative_tokens if d.speculative else 0,
             speculative_draft_model=d.speculative.draft_model if d.speculative else "",
+            kv_connector=d.kv_connector.connector if d.kv_connector else "",
+            kv_role=d.kv_connector.role if d.kv_connector else "",
+            kv_engine_id=d.kv_connector.engine_id if d.kv_connector else "",
         )
 
 

@@ -9,9 +9,10 @@ messages; nothing protocol-specific is below it:
 
 Inside: the request's lifecycle begins (the `frontend` stage starts at the handler's entry), the engine must
 be ready, the request is decoded (cheap checks first, so a request refused under overload costs no
-tokenising), admitted, tokenised off the event loop, truncated and checked against the context, its sampling
-validated (`validation.build_sampling`), handed to the engine under an id of the engine's own, and each
-engine step becomes one `Output`. The lifecycle (`lifecycle.py`) emits the request's records.
+tokenising; KV-transfer parameters need the engine's KV connector), admitted, tokenised off the event loop,
+truncated and checked against the context, its sampling validated (`validation.build_sampling`), handed to
+the engine under an id of the engine's own, and each engine step becomes one `Output`. The lifecycle
+(`lifecycle.py`) emits the request's records.
 """
 
 from __future__ import annotations
@@ -26,9 +27,9 @@ from typing import Any, Protocol
 
 import grpc
 
-from phasescope.engine.base import Engine, EngineStep
-from phasescope.engine.request import ModelLimits, ParsedInput
-from phasescope.errors import EngineUnavailableError, NotReadyError, PhasescopeError
+from phasescope.engine.base import Engine, EngineStep, ModelDescription
+from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
+from phasescope.errors import EngineUnavailableError, NotConfiguredError, NotReadyError, PhasescopeError
 from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import RequestLifecycle
 from phasescope.serve.status import rejection_reason
@@ -73,6 +74,9 @@ class GenerationAsk:
     """Let the engine stop at the context's end when max_tokens asks for more (vLLM's worker does)."""
     abortable: bool = False
     """An engine-protocol `Abort` naming `request_id` stops it."""
+    kv_transfer: KvTransfer | None = None
+    """The KV connector's parameters (disaggregated prefill and decode), handed to the engine as they came; a
+    worker without a connector refuses them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,6 +218,7 @@ class RequestPath:
         async with self.begin(streaming, context) as lifecycle:
             engine = self.ready_engine()
             ask = decode(engine.limits)
+            check_kv_transfer(ask.kv_transfer, engine.description)
             async with lifecycle.admitted(self.caller(context)):
                 prompt = await self.tokenize(engine, ask.input)
                 prompt = truncate_prompt(
@@ -228,6 +233,7 @@ class RequestPath:
                     detokenize=ask.detokenize,
                     stream_interval=ask.stream_interval,
                     max_tokens_past_context=ask.max_tokens_past_context,
+                    kv_transfer=ask.kv_transfer,
                 )
                 engine_request_id = new_engine_request_id()
                 # Nothing reaches the engine until the steps are iterated; sampling it refuses raises here.
@@ -263,6 +269,17 @@ class RequestPath:
         for request in list(self.in_flight):
             if request.abortable and request.request_id in request_ids and request.engine_request_id:
                 await engine.abort(request.engine_request_id)
+
+
+def check_kv_transfer(kv_transfer: KvTransfer | None, description: ModelDescription) -> None:
+    """KV-transfer parameters need the engine's KV connector: without one vLLM would drop them with a warning and
+    serve the request on its own (a decode leg would prefill again what it was sent), so they are refused."""
+    if kv_transfer is not None and description.kv_connector is None:
+        raise NotConfiguredError(
+            kv_transfer.field,
+            "this worker runs no KV connector, so it cannot take part in disaggregated prefill and decode: start "
+            "the worker with --kv-transfer-config",
+        )
 
 
 def _output(lifecycle: RequestLifecycle, request_id: str, first_prompt_token: int, step: EngineStep) -> Output:

@@ -10,6 +10,7 @@ from phasescope.errors import (
     ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
+    NotConfiguredError,
     NotOfferedError,
     NotReadyError,
     OverloadedError,
@@ -21,6 +22,8 @@ from phasescope.errors import (
 # the engine (None: not a refusal). Ordered most specific first; the first match wins.
 _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
+    # Served by a worker started otherwise (e.g. KV-transfer parameters without --kv-transfer-config).
+    (NotConfiguredError, grpc.StatusCode.FAILED_PRECONDITION, "not_configured"),
     (ClientLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, "client_limit"),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
     # A watcher is no request: refusing one is not counted as a rejected request.

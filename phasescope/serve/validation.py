@@ -16,6 +16,7 @@ from google.protobuf.message import Message
 
 from phasescope.engine.request import (
     ChatTurn,
+    KvTransfer,
     ModelLimits,
     ParsedInput,
     SamplingSpec,
@@ -318,6 +319,7 @@ def build_sampling(
     detokenize: bool = True,
     stream_interval: int | None = None,
     max_tokens_past_context: bool = False,
+    kv_transfer: KvTransfer | None = None,
 ) -> SamplingSpec:
     """Validate sampling values against the prompt's length and the model's limits; each error names
     the field as the request's protocol spells it (`prefix` + the field's name). With
@@ -425,4 +427,5 @@ def build_sampling(
         prompt_logprobs=ask.prompt_logprobs,
         bad_words=tuple(ask.bad_words),
         n=n,
+        kv_transfer=kv_transfer,
     )

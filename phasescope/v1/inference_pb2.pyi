@@ -909,6 +909,9 @@ class ModelInfo(_message.Message):
     SPECULATIVE_METHOD_FIELD_NUMBER: _builtins.int
     SPECULATIVE_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_DRAFT_MODEL_FIELD_NUMBER: _builtins.int
+    KV_CONNECTOR_FIELD_NUMBER: _builtins.int
+    KV_ROLE_FIELD_NUMBER: _builtins.int
+    KV_ENGINE_ID_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The name clients and metrics know the model by."""
     model_path: _builtins.str
@@ -967,6 +970,14 @@ class ModelInfo(_message.Message):
     """
     speculative_tokens: _builtins.int
     speculative_draft_model: _builtins.str
+    kv_connector: _builtins.str
+    """Disaggregated prefill and decode (--kv-transfer-config): the KV connector that moves a
+    request's KV between workers (a MultiConnector's one mover), this worker's role
+    ("kv_producer", "kv_consumer" or "kv_both") and the engine id peers know it by, as
+    GetServerInfo reports them on vLLM's engine protocol; empty without a connector.
+    """
+    kv_role: _builtins.str
+    kv_engine_id: _builtins.str
     def __init__(
         self,
         *,
@@ -997,10 +1008,13 @@ class ModelInfo(_message.Message):
         speculative_method: _builtins.str = ...,
         speculative_tokens: _builtins.int = ...,
         speculative_draft_model: _builtins.str = ...,
+        kv_connector: _builtins.str = ...,
+        kv_role: _builtins.str = ...,
+        kv_engine_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "speculative_draft_model", b"speculative_draft_model", "speculative_method", b"speculative_method", "speculative_tokens", b"speculative_tokens", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "kv_connector", b"kv_connector", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "speculative_draft_model", b"speculative_draft_model", "speculative_method", b"speculative_method", "speculative_tokens", b"speculative_tokens", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

@@ -8,6 +8,7 @@ times and exports every such request as it does its own protocol's.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
@@ -273,6 +275,67 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
             worker.sample_sum("phasescope_requests_total") - b for worker, b in zip(worker_pair, before, strict=True)
         ]
         assert served[topic % 2] == 1, (topic, served)
+
+
+def test_each_kv_event_batch_carries_the_workers_load_and_an_idle_stream_its_heartbeats(
+    worker_pair: list[ServerProcess],
+) -> None:
+    # As vLLM's worker stamps its batches: the load record (GetLoads' figures) on every batch, and `load_only`
+    # batches (the last sequence repeated) while no events flow.
+    worker = worker_pair[1]
+    worker.wait_engine_idle()
+    channel, engine = stub(worker)
+    batches: list[common_pb2.KvEventBatch] = []
+    with channel:
+        loads = engine.GetLoads(pb.GetLoadsRequest())
+        stream = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
+        stream.initial_metadata()  # subscribed
+        seen = threading.Event()
+
+        def prefill_until_events_flow() -> None:
+            # New prefixes store new blocks: their events open the stream (ZMQ's subscription may join late).
+            for attempt in range(20):
+                request = pb.GenerateRequest(
+                    request_id=f"loaded-{attempt}", text=" ".join(f"load{attempt} word{i}" for i in range(200)),
+                    sampling_params=pb.SamplingParams(max_tokens=64, ignore_eos=True),
+                )  # fmt: skip
+                list(engine.Generate(request))
+                if seen.wait(0.5):
+                    return
+
+        generating = threading.Thread(target=prefill_until_events_flow)
+        generating.start()
+        try:
+            for batch in stream:
+                batches.append(batch)
+                if batch.events:
+                    seen.set()
+                idle = not generating.is_alive()
+                if idle and batch.load.load_only and batch.load.running_requests == 0:
+                    break
+        finally:
+            stream.cancel()
+            seen.set()
+            generating.join()
+    (load,) = loads.loads
+    events = [batch for batch in batches if batch.events]
+    assert events, "no KV event came"
+    assert all(batch.HasField("load") for batch in batches)
+    assert not any(batch.load.load_only for batch in events)
+    for batch in batches:
+        assert 0 <= batch.load.running_requests <= load.max_running_requests
+        assert 0.0 <= batch.load.token_usage <= 1.0
+        assert batch.load.max_running_requests == load.max_running_requests
+    assert max(batch.load.running_requests for batch in batches) == 1
+    assert max(batch.load.token_usage for batch in batches) > 0.0
+    # The stream's first record and its heartbeats carry the telemetry beyond the routing core.
+    heartbeat, relayed = batches[-1], [batch for batch in batches if not batch.load.load_only]
+    assert heartbeat.sequence_number == relayed[-1].sequence_number
+    for record in (batches[0].load, heartbeat.load):
+        assert record.max_total_num_tokens == load.max_total_num_tokens > 0
+    assert [batch.load.sample for batch in batches] == list(range(1, len(batches) + 1))
+    # No drafts on this worker: no speculative section.
+    assert not any(batch.load.HasField("speculative") for batch in batches)
 
 
 def test_one_worker_stopping_mid_run_leaves_the_other_serving(

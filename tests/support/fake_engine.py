@@ -14,8 +14,9 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from typing import Any
 
-from phasescope.engine.base import EngineStep, ModelDescription, TokenLogprob
+from phasescope.engine.base import EngineStep, KvConnector, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.errors import InvalidRequestError
 from phasescope.telemetry.model.cost import model_cost_from_config
@@ -45,6 +46,8 @@ class Script:
     cached_prompt_tokens: int = 0
     sample_cached_prompt_tokens: int = 0
     """With n > 1: what each sample after the first finds cached (the first's prompt blocks)."""
+    kv_transfer_params: dict[str, Any] | None = None
+    """What the KV connector answers on the last step (a prefill worker's parameters for the decode worker)."""
 
 
 def scripted_logprob(token: int, top: int) -> TokenLogprob:
@@ -64,7 +67,10 @@ class ScriptedEngine:
         max_model_len: int = 256,
         refuse_temperature_above: float = 2.0,
         model_path: str = "/scripted",
+        kv_connector: KvConnector | None = None,
     ) -> None:
+        """`kv_connector`: the engine runs that KV connector (--kv-transfer-config), so requests may carry
+        KV-transfer parameters (each request's are in `sampling`)."""
         self._script_for = script_for
         self._refuse_temperature_above = refuse_temperature_above
         self.dead = False
@@ -99,6 +105,7 @@ class ScriptedEngine:
             max_num_seqs=4,
             kv_cache_capacity_tokens=4096,
             kv_cache_block_size=16,
+            kv_connector=kv_connector,
         )
         self.prefix_cache_resets = 0
         self._aborts: dict[str, asyncio.Event] = {}
@@ -160,6 +167,7 @@ class ScriptedEngine:
                     else script.sample_cached_prompt_tokens,
                     stamps=EngineTimestamps(queued, scheduled, first, now),
                     index=index,
+                    kv_transfer_params=script.kv_transfer_params if last else None,
                 )
         self.finished.append(request_id)
 
@@ -198,6 +206,7 @@ class ScriptedEngine:
                     cached_prompt_tokens=script.cached_prompt_tokens,
                     stamps=EngineTimestamps(queued, scheduled, first, now),
                     stop_reason=script.stop_reason if last else None,
+                    kv_transfer_params=script.kv_transfer_params if last else None,
                     logprobs=(scripted_logprob(token, sampling.logprobs),) if sampling.logprobs is not None else (),
                     prompt_logprobs=tuple(scripted_logprob(t, sampling.prompt_logprobs) for t in prompt[1:])
                     if sampling.prompt_logprobs is not None and index == 0

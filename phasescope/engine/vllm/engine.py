@@ -25,6 +25,7 @@ from phasescope.engine.base import (
     EngineConfigError,
     EngineOptions,
     EngineStep,
+    KvConnector,
     KvEventPublisher,
     ModelDescription,
     Speculative,
@@ -158,22 +159,48 @@ def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
         raise EngineConfigError(f"{flag}: {exc}") from exc
 
 
+# The engine arguments given as JSON objects, with their flags: what vLLM refuses in one is named by its flag.
+_JSON_CONFIG_FLAGS = {"speculative_config": "--speculative-config", "kv_transfer_config": "--kv-transfer-config"}
+
+
 def _engine_config(engine_args: Any) -> Any:
-    """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config (it
-    checks that object only here, against the model) is one `EngineConfigError` line naming the field."""
+    """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config or
+    --kv-transfer-config (it checks those objects only here, against the model and its connector registry) is one
+    `EngineConfigError` line naming the flag and the field."""
     try:
         from vllm.usage.usage_lib import UsageContext
 
         return engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     except (TypeError, ValueError) as exc:
-        if engine_args.speculative_config is None:
+        given = [name for name in _JSON_CONFIG_FLAGS if getattr(engine_args, name, None) is not None]
+        if not given:
             raise
         errors = getattr(exc, "errors", None)
-        if callable(errors):
-            first = errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()) if part != "__init__")
-            raise EngineConfigError(f"--speculative-config: {where or 'the object'}: {first.get('msg', exc)}") from exc
-        raise EngineConfigError(f"--speculative-config: {exc}") from exc
+        first: dict[str, Any] = errors()[0] if callable(errors) else {}
+        loc = [str(part) for part in first.get("loc", ()) if part != "__init__"]
+        if loc and loc[0] in _JSON_CONFIG_FLAGS:
+            # Checked as a field of vLLM's whole configuration: the location starts with the object's name.
+            name, loc = loc[0], loc[1:]
+        elif len(given) == 1:
+            name = given[0]
+        else:
+            # Both given: the speculative object is checked on its own (its errors' title is its class).
+            name = "speculative_config" if "Speculative" in str(getattr(exc, "title", "")) else "kv_transfer_config"
+        # One line, whatever vLLM's message spans.
+        message = " ".join(str(first.get("msg", exc)).split())
+        where = f"{'.'.join(loc) or 'the object'}: " if first else ""
+        raise EngineConfigError(f"{_JSON_CONFIG_FLAGS[name]}: {where}{message}") from exc
+
+
+def _kv_connector(config: Any) -> KvConnector | None:
+    """The KV connector as vLLM's own worker reports it to a gateway (smg-grpc-servicer's `resolve_pd_connector`:
+    a MultiConnector is its one mover, with that child's engine id); None without a connector."""
+    if config is None or not getattr(config, "kv_connector", None):
+        return None
+    from smg_grpc_servicer.vllm.kv_transfer import resolve_pd_connector
+
+    connector, engine_id = resolve_pd_connector(config)
+    return KvConnector(connector=str(connector), role=str(config.kv_role or ""), engine_id=str(engine_id or ""))
 
 
 def _speculative(config: Any, cache_dtype: str, devices: tuple[int, int]) -> Speculative | None:
@@ -326,6 +353,9 @@ class VllmEngine:
             speculative_config=json.loads(options.speculative_config) if options.speculative_config else None,
             # Each sample's drafted and accepted tokens, for its GenerateComplete and Timings.
             per_request_spec_decode_metrics="summary" if options.speculative_config else "none",
+            # Checked with the rest of the configuration (`_engine_config`), the connector's name against vLLM's
+            # registry included.
+            kv_transfer_config=json.loads(options.kv_transfer_config) if options.kv_transfer_config else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
         )
         vllm_config = _engine_config(engine_args)
         # vLLM's own series too, through the pipeline (vLLM adds its default Prometheus logger only without one).
@@ -367,6 +397,7 @@ class VllmEngine:
                     str(llm.vllm_config.cache_config.cache_dtype),
                     (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
                 ),
+                kv_connector=_kv_connector(llm.vllm_config.kv_transfer_config),
                 **_model_facts(llm),
             )
             engine = cls(llm, description)
@@ -417,6 +448,9 @@ class VllmEngine:
             if value is not None:
                 values[name] = value
         structured = _structured_outputs(spec.structured) if spec.structured is not None else None
+        # The connector's parameters, as vLLM's own servicer hands them to the engine (its scheduler reads them from
+        # here when the request arrives, and its connector from the request).
+        extra_args = {"kv_transfer_params": dict(spec.kv_transfer.params)} if spec.kv_transfer is not None else None
         try:
             return SamplingParams(
                 # Validated at n (vLLM's rules for n); the samples run as n requests (`_sample_params`).
@@ -438,11 +472,14 @@ class VllmEngine:
                 stream_interval=spec.stream_interval,
                 # Each engine step's new tokens only: the stream forwards them as they come.
                 output_kind=RequestOutputKind.DELTA,
+                extra_args=extra_args,
                 **values,
             )
         except (ValueError, VLLMClientError) as exc:
             # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
             parameter = getattr(exc, "parameter", None)
+            if parameter == "extra_args" and spec.kv_transfer is not None:
+                raise InvalidRequestError(spec.kv_transfer.field, str(exc)) from exc
             raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
 
     def generate(
@@ -571,6 +608,8 @@ class VllmEngine:
                     if prompt_logprobs is not None and output.prompt_logprobs
                     else (),
                     **_speculation(completion.spec_decode_metrics),
+                    # The connector's answer (a prefill worker's, for the decode worker), with the last output.
+                    kv_transfer_params=output.kv_transfer_params or None,
                 )
         except (asyncio.CancelledError, GeneratorExit):
             # Our caller closed these steps (a client gone, a sample failed) or was cancelled: the engine

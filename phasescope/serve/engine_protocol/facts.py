@@ -105,10 +105,13 @@ def server_info(
 ) -> vllm_engine_pb2.GetServerInfoResponse:
     """GetServerInfo's answer: the worker's state now and the engine facts the gateway labels it with.
 
-    The PD-disaggregation fields (KV connector, role, engine id, pairing protocol, attention
-    backend) and the multimodal ones stay empty: phasescope pairs with no prefill or decode peer
-    and takes no media, and an empty field is what vLLM sends when it runs without either.
+    With --kv-transfer-config, the KV connector, role and engine id as vLLM's worker reports them
+    (a MultiConnector's one mover; the gateway chooses how it relays a pair's parameters by the
+    prefill worker's connector); empty without one, as vLLM sends them. The pairing protocol and
+    attention backend stay empty (the gateway reads them as unknown, not as a mismatch), and so do
+    the multimodal fields: phasescope takes no media.
     """
+    connector = description.kv_connector
     return vllm_engine_pb2.GetServerInfoResponse(
         active_requests=active_requests,
         is_paused=paused,
@@ -121,6 +124,9 @@ def server_info(
         # vLLM sends `str(torch_dtype)`; the description keeps the bare name.
         model_dtype=f"torch.{description.dtype}",
         max_num_seqs=description.max_num_seqs,
+        kv_connector=connector.connector if connector is not None else "",
+        kv_role=connector.role if connector is not None else "",
+        kv_engine_id=connector.engine_id if connector is not None else "",
     )
 
 

@@ -13,13 +13,19 @@ Per engine (a data-parallel rank), from the step aggregator's view over the metr
   reported; the engine says which rank holds a request only with its first output, so with several
   ranks the tokens are shared evenly between them (an estimate, as vLLM's servicer makes one).
 vLLM's own servicer leaves throughput and utilization at 0 at idle; these are measured.
+
+`engine_load` makes the same figures the `EngineLoad` record every `SubscribeKvEvents` batch carries (as vLLM's
+worker stamps its batches), with the `speculative` section (mean acceptance length and acceptance rate over the
+window) when the engine verified drafts in it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 
+from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_servicer.load_record import engine_load_from
 
 from phasescope.engine.base import ModelDescription
 from phasescope.serve.watch import InFlight
@@ -66,3 +72,20 @@ def scheduler_loads(
             load.utilization = view.device.memory_bandwidth_utilization
         loads.append(load)
     return loads
+
+
+def engine_load(
+    description: ModelDescription, views: list[EngineView], in_flight: Iterable[InFlight], rank: int | None
+) -> common_pb2.EngineLoad | None:
+    """The load record of `rank` (None: rank 0) from its `scheduler_loads` figures, field for field as GetLoads
+    answers; None for a rank the engine does not have."""
+    rank = 0 if rank is None else rank
+    loads = scheduler_loads(description, views, in_flight)
+    if not 0 <= rank < len(loads):
+        return None
+    record = engine_load_from(loads[rank], queued_token_work=True)
+    speculation = next((view.speculation for view in views if view.engine == rank), None)
+    if speculation is not None:
+        record.speculative.accept_length = speculation.mean_acceptance_length
+        record.speculative.accept_rate = speculation.acceptance_rate
+    return record

@@ -6,14 +6,16 @@ them, as vLLM's own servicer reads them (`temperature` and `max_tokens` are `opt
 read as such); an unset value is the model's default, as on phasescope.v1. As vLLM's servicer
 does, the engine detokenises only when stop strings need text: the gateway sends token ids and
 detokenises itself, and `skip_special_tokens` / `spaces_between_special_tokens` shape only that
-text, which this protocol does not carry.
+text, which this protocol does not carry. KV-transfer parameters (disaggregated prefill and decode) pass
+through to the engine's connector as vLLM's servicer passes them.
 """
 
 from __future__ import annotations
 
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
+from smg_grpc_servicer.vllm.kv_transfer import params_from_request
 
-from phasescope.engine.request import ModelLimits, ParsedInput
+from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
 from phasescope.errors import InvalidRequestError
 from phasescope.serve.path import GenerationAsk
 from phasescope.serve.validation import (
@@ -40,9 +42,7 @@ def decode_generate(
         raise InvalidRequestError(
             "extra_mm_inputs", "this worker serves a text model: multimodal inputs are not supported"
         )
-    if request.HasField("kv_transfer_params") or request.HasField("kv_transfer_params_json"):
-        field = "kv_transfer_params" if request.HasField("kv_transfer_params") else "kv_transfer_params_json"
-        raise InvalidRequestError(field, "prefill/decode disaggregation is not supported by this worker")
+    kv_transfer = decode_kv_transfer(request)
     if request.HasField("data_parallel_rank") and not 0 <= request.data_parallel_rank < data_parallel_size:
         raise InvalidRequestError(
             "data_parallel_rank",
@@ -75,7 +75,21 @@ def decode_generate(
         # Gateways send max_tokens at the context's size: the engine stops at its end, as vLLM's worker lets it.
         max_tokens_past_context=True,
         abortable=True,
+        kv_transfer=kv_transfer,
     )
+
+
+def decode_kv_transfer(request: pb.GenerateRequest) -> KvTransfer | None:
+    """The request's KV-transfer parameters as vLLM's servicer reads them (smg-grpc-servicer's
+    `params_from_request`: the JSON field first, a JSON object; else the typed one, a host and a port), or
+    INVALID_ARGUMENT naming the field. None when there are none, or they are empty: vLLM's servicer hands the
+    engine nothing then either."""
+    field = "kv_transfer_params_json" if request.HasField("kv_transfer_params_json") else "kv_transfer_params"
+    try:
+        params = params_from_request(request)
+    except ValueError as exc:
+        raise InvalidRequestError(field, str(exc)) from exc
+    return KvTransfer(params, field) if params else None
 
 
 def sampling_ask(sampling: pb.SamplingParams) -> SamplingAsk:

@@ -10,8 +10,11 @@ Its phase timings ride in the trailing metadata (`phasescope-timings-bin`, a ser
 `Abort` stops the named requests in the engine; as with vLLM's worker, each stream then ends with
 a `GenerateComplete` whose finish reason is "abort". A client that goes away instead cancels its
 handler, which closes the engine request at once. `SubscribeKvEvents` relays the engine's KV-cache
-events (with --kv-events-config). RPCs this worker does not offer answer UNIMPLEMENTED naming
-themselves; the gateway tells them from failures.
+events (with --kv-events-config), each batch carrying GetLoads' figures as the engine's load record.
+With --kv-transfer-config a request's `kv_transfer_params` reach the engine's KV connector and its
+answer comes back on the `GenerateComplete`, as with vLLM's worker (disaggregated prefill and decode).
+RPCs this worker does not offer answer UNIMPLEMENTED naming themselves; the gateway tells them from
+failures.
 """
 
 from __future__ import annotations
@@ -28,18 +31,21 @@ from google.protobuf.message import Message
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_servicer import kv_relay
+from smg_grpc_servicer.load_record import LOAD_TICK
+from smg_grpc_servicer.vllm.kv_transfer import params_to_response_fields
 
 from phasescope.engine.base import TokenLogprob
 from phasescope.engine.request import ModelLimits
 from phasescope.errors import NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
-from phasescope.serve.engine_protocol.loads import scheduler_loads
+from phasescope.serve.engine_protocol.loads import engine_load, scheduler_loads
 from phasescope.serve.engine_protocol.requests import decode_generate
 from phasescope.serve.interceptors import StatusOnError, maps_own_errors
 from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, decoder
 from phasescope.serve.watch import TelemetrySource
+from phasescope.telemetry.step.aggregator import EngineView
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
 # Field numbers of GenerateRequest's `input` oneof (tokenized, text).
@@ -55,6 +61,8 @@ class VllmEngineServicer:
         self._started = time.time() if started is None else started
         self._last_receive = 0.0
         self._telemetry: TelemetrySource | None = None
+        self._load_views: tuple[float, list[EngineView]] | None = None
+        """When the KV-event stream's load record last read the views, and what it read."""
         self._tokenizer: TokenizerBundle | None = None
 
     def attach_telemetry(self, source: TelemetrySource) -> None:
@@ -175,7 +183,8 @@ class VllmEngineServicer:
         """The engine's KV-cache events, every data-parallel rank's publisher in one stream, relayed as vLLM's
         worker relays them (smg-grpc-servicer's relay: sequence gaps replayed, a lost stream ended with
         DATA_LOSS so the gateway clears this worker and subscribes again). Without --kv-events-config the
-        gateway falls back to its own approximate index of what it routed where."""
+        gateway falls back to its own approximate index of what it routed where. Each batch carries the engine's
+        load record (`_load_record`), and `load_only` batches carry it while no events flow."""
         publishers = self._path.ready_engine().description.kv_event_publishers
         if not publishers:
             raise NotOfferedError(
@@ -200,8 +209,26 @@ class VllmEngineServicer:
             context,
             topic=first.topic,
             hwm=first.high_water_mark,
+            load_source=self._load_record,
         ):
             yield batch
+
+    def _load_record(self, dp_rank: int | None) -> common_pb2.EngineLoad | None:
+        """The load record a KV-event batch of `dp_rank` carries: GetLoads' figures for that rank (None: rank 0),
+        with the window's speculative decoding; None before the telemetry is attached. Under load a batch goes out
+        every engine step, and reading the window costs milliseconds and hands the held telemetry on: the views
+        are read at most once per relay tick, and the record's `age_ms` says how old they are."""
+        telemetry = self._telemetry
+        if telemetry is None:
+            return None
+        now = time.monotonic()
+        if self._load_views is None or now - self._load_views[0] >= LOAD_TICK:
+            self._load_views = (now, telemetry.views()[1])
+        read_at, views = self._load_views
+        record = engine_load(self._path.ready_engine().description, views, self._path.in_flight, dp_rank)
+        if record is not None:
+            record.age_ms = round((now - read_at) * 1000)
+        return record
 
 
 class _Sample:
@@ -272,6 +299,13 @@ def _complete(output: Output, output_ids: list[int], logprobs: Sequence[TokenLog
         complete.matched_stop_str = step.stop_reason
     if logprobs:
         _fill_logprobs(complete.output_logprobs, logprobs)
+    # What the KV connector hands the next worker (a prefill leg's answer), as vLLM's servicer writes it: the JSON
+    # field always, the typed one too when the parameters are a host and a port.
+    typed, as_json = params_to_response_fields(step.kv_transfer_params)
+    if typed is not None:
+        complete.kv_transfer_params.CopyFrom(typed)
+    if as_json is not None:
+        complete.kv_transfer_params_json = as_json
     return response
 
 

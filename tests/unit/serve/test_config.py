@@ -86,6 +86,14 @@ def test_settings_are_built_directly_from_keywords() -> None:
     assert Settings(metrics_host="0.0.0.0").effective_metrics_host == "0.0.0.0"
 
 
+def test_the_kv_transfer_config_reaches_the_engine_as_given_from_a_flag_or_the_environment() -> None:
+    config = '{"kv_connector": "NixlConnector", "kv_role": "kv_consumer"}'
+    assert parse_settings(["--kv-transfer-config", config], environ={}).engine_options().kv_transfer_config == config
+    from_env = parse_settings([], environ={"PHASESCOPE_KV_TRANSFER_CONFIG": config})
+    assert from_env.engine_options().kv_transfer_config == config
+    assert parse_settings([], environ={}).engine_options().kv_transfer_config == ""
+
+
 def test_settings_are_frozen() -> None:
     settings = Settings()
     with pytest.raises(ValueError, match="frozen"):
@@ -103,6 +111,8 @@ def test_settings_are_frozen() -> None:
         (["--distributed-executor-backend", "slurm"], "--distributed-executor-backend"),
         (["--trace-sample-ratio", "1.5"], "--trace-sample-ratio"),
         (["--hardware", "abacus"], "--hardware"),
+        (["--kv-transfer-config", '["ExampleConnector"]'], "--kv-transfer-config"),
+        (["--kv-transfer-config", '{"kv_connector": '], "--kv-transfer-config"),
     ],
 )
 def test_bad_settings_are_refused_at_start(argv: list[str], message: str) -> None:

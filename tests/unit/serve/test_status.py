@@ -7,6 +7,7 @@ from phasescope.errors import (
     ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
+    NotConfiguredError,
     NotReadyError,
     OverloadedError,
 )
@@ -17,6 +18,7 @@ from phasescope.serve.status import rejection_reason, status_for, table
     ("exc", "code"),
     [
         (InvalidRequestError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
+        (NotConfiguredError("kv_transfer_params", "no connector"), grpc.StatusCode.FAILED_PRECONDITION),
         (OverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (NotReadyError("starting"), grpc.StatusCode.UNAVAILABLE),
         (EngineUnavailableError("dead"), grpc.StatusCode.UNAVAILABLE),
@@ -39,6 +41,7 @@ def test_only_refusals_count_as_rejections() -> None:
     assert rejection_reason(ClientLimitError("x")) == "client_limit"
     assert status_for(ClientLimitError("x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert rejection_reason(InvalidRequestError("f", "m")) == "invalid_argument"
+    assert rejection_reason(NotConfiguredError("f", "m")) == "not_configured"
     assert rejection_reason(NotReadyError("x")) == "not_ready"
     assert rejection_reason(RuntimeError("x")) is None
 

@@ -229,9 +229,17 @@ async def test_structured_outputs_min_tokens_and_logit_bias_reach_the_engine_as_
         ),
         (
             pb.GenerateRequest(
-                request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="{}"
+                request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), kv_transfer_params_json="[1]"
             ),
             "kv_transfer_params_json",
+        ),
+        (
+            pb.GenerateRequest(
+                request_id="r",
+                tokenized=pb.TokenizedInput(input_ids=[1]),
+                kv_transfer_params=pb.KvTransferParams(remote_host="", remote_port=5600),
+            ),
+            "kv_transfer_params",
         ),
         (
             pb.GenerateRequest(request_id="r", tokenized=pb.TokenizedInput(input_ids=[1]), data_parallel_rank=3),

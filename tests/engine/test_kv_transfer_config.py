@@ -1,0 +1,94 @@
+"""--kv-transfer-config against vLLM's own classes: what vLLM refuses is one line naming the flag and the field,
+and the connector is reported as vLLM's worker reports it (served end to end in
+tests/integration/test_kv_transfer.py)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from phasescope.bench.tiny_model import ensure_tiny_model
+from phasescope.engine.base import EngineConfigError, KvConnector
+from phasescope.engine.vllm.engine import _engine_config, _kv_connector
+
+EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
+
+
+def engine_args(kv_transfer: dict[str, Any] | None, speculative: dict[str, Any] | None = None) -> Any:
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    return AsyncEngineArgs(
+        model=str(ensure_tiny_model()),
+        kv_transfer_config=json.loads(json.dumps(kv_transfer)) if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's validation takes the object's JSON, as its CLI hands it over
+        speculative_config=speculative,
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_transfer", "named"),
+    [
+        ({"kv_connector": "ExampleConnector", "kv_role": "both"}, "kv_role"),
+        ({"kv_connector": "ExampleConnector"}, "kv_role"),
+        ({**EXAMPLE, "no_such_field": 1}, "no_such_field"),
+        ({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, "NoSuchConnector"),
+    ],
+    ids=["a role vLLM has not", "no role", "an unknown field", "an unknown connector"],
+)
+def test_a_kv_transfer_config_vllm_refuses_is_one_line_naming_the_flag_and_field(
+    kv_transfer: dict[str, Any], named: str
+) -> None:
+    with pytest.raises(EngineConfigError) as caught:
+        _engine_config(engine_args(kv_transfer))
+    message = str(caught.value)
+    assert message.startswith("--kv-transfer-config: ")
+    assert named in message
+    assert "\n" not in message
+
+
+def test_with_both_json_configs_the_one_vllm_refuses_is_the_one_named() -> None:
+    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
+    with pytest.raises(EngineConfigError) as kv:
+        _engine_config(engine_args({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, ngram))
+    assert str(kv.value).startswith("--kv-transfer-config: ")
+    with pytest.raises(EngineConfigError) as speculative:
+        _engine_config(engine_args(EXAMPLE, {"method": "ngram", "num_speculative_tokens": -1}))
+    assert str(speculative.value).startswith("--speculative-config: ")
+    assert "num_speculative_tokens" in str(speculative.value)
+
+
+def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_vllm_gave_it(tmp_path: Path) -> None:
+    config = _engine_config(
+        engine_args({**EXAMPLE, "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    )
+    connector = _kv_connector(config.kv_transfer_config)
+    assert connector is not None
+    assert (connector.connector, connector.role) == ("ExampleConnector", "kv_both")
+    # Given none, vLLM makes one up (a UUID), and that is the id its peers know it by.
+    assert connector.engine_id == config.kv_transfer_config.engine_id != ""
+
+
+def test_a_multi_connector_is_reported_as_its_one_mover_as_vllms_worker_reports_it() -> None:
+    multi: dict[str, Any] = {
+        "kv_connector": "MultiConnector",
+        "kv_role": "kv_consumer",
+        "engine_id": "outer",
+        "kv_connector_extra_config": {
+            "connectors": [
+                {"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "engine_id": "decode-7"},
+                {"kv_connector": "OffloadingConnector", "kv_role": "kv_consumer"},
+            ]
+        },
+    }
+    from vllm.config import KVTransferConfig
+
+    assert _kv_connector(KVTransferConfig(**multi)) == KvConnector("NixlConnector", "kv_consumer", "decode-7")
+
+
+def test_no_configuration_or_one_without_a_connector_is_no_connector() -> None:
+    from vllm.config import KVTransferConfig
+
+    assert _kv_connector(None) is None
+    assert _kv_connector(KVTransferConfig()) is None

@@ -1,0 +1,142 @@
+"""A worker with a KV connector, on the real engine: vLLM's ExampleConnector (kv_both, a local folder for its
+store) behind --kv-transfer-config. GetServerInfo says which connector and role the worker has, a long prompt
+sent again is loaded from the store instead of computed (vLLM's own count of transferred tokens grows) and
+answers the same, and kv_transfer_params reach the engine on vLLM's engine protocol.
+
+One server for the module. Every prompt sent to it is longer than two KV blocks (128 tokens each on a CPU):
+the ExampleConnector kills the engine when a prompt shorter than one block is seen twice (its lookup aligns
+the prompt to zero tokens; issue 49), so no short prompt is sent here (the server's own warm-up is one).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
+
+from support.servers import ServerProcess
+
+BLOCK_TOKENS = 128
+"""vLLM's KV block on a CPU: the ExampleConnector stores and loads whole blocks of it."""
+EXTERNAL = "vllm:prompt_tokens_by_source_total"
+# Distinct sentences, so nothing but the store can supply the prompt's KV once the prefix cache is flushed.
+LONG_PROMPT = " ".join(
+    f"Note {index}: the {colour} house on street {index} has {index % 7 + 2} windows and a {tree} tree."
+    for index, (colour, tree) in enumerate(
+        zip(
+            ["red", "blue", "green", "white", "yellow"] * 6,
+            ["oak", "pine", "maple", "birch", "elm", "ash"] * 5,
+            strict=True,
+        )
+    )
+)
+LONG_PROMPT += " Which street has the most windows?"
+
+
+@pytest.fixture(scope="module")
+def pd_server(
+    start_server: Callable[..., ServerProcess], tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[tuple[ServerProcess, Path]]:
+    store = tmp_path_factory.mktemp("kv-store")
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(store)},
+    }
+    server = start_server("--kv-transfer-config", json.dumps(config))
+    try:
+        yield server, store
+    finally:
+        server.stop()
+
+
+def complete(server: ServerProcess, request_id: str, **fields: Any) -> Any:
+    """A greedy unary Generate on vLLM's engine protocol: its `GenerateComplete`."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        request = vllm_pb.GenerateRequest(
+            request_id=request_id, text=LONG_PROMPT, stream=False,
+            sampling_params=vllm_pb.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), **fields,
+        )  # fmt: skip
+        (answer,) = [r.complete for r in stub.Generate(request, timeout=180) if r.HasField("complete")]
+        return answer
+
+
+def flush_prefix_cache(server: ServerProcess) -> None:
+    """Drop the engine's own prefix cache, so what the prompt finds cached can only come from the connector."""
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        deadline = time.monotonic() + 30
+        # vLLM refuses while a request still holds blocks: the one just answered may not be freed yet.
+        while not stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success:
+            assert time.monotonic() < deadline, "the engine never flushed its prefix cache"
+            time.sleep(0.2)
+
+
+def external_tokens(server: ServerProcess) -> float:
+    return server.sample_sum(EXTERNAL, source="external_kv_transfer")
+
+
+def test_a_connector_worker_says_its_connector_and_role_and_a_prompt_seen_again_is_loaded_through_it(
+    pd_server: tuple[ServerProcess, Path],
+) -> None:
+    server, store = pd_server
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        info = stub.GetServerInfo(vllm_pb.GetServerInfoRequest(), timeout=30)
+    assert (info.kv_connector, info.kv_role) == ("ExampleConnector", "kv_both")
+    assert info.kv_engine_id  # vLLM makes one up when the configuration names none
+    with server.client() as client:
+        model = client.model_info()
+    assert (model.kv_connector, model.kv_role, model.kv_engine_id) == ("ExampleConnector", "kv_both", info.kv_engine_id)
+
+    before = external_tokens(server)
+    first = complete(server, "kv-first")
+    assert first.prompt_tokens >= 2 * BLOCK_TOKENS + 2
+    assert any(store.iterdir()), "the connector stored nothing"
+    flush_prefix_cache(server)
+    computed_before = server.sample_sum(EXTERNAL, source="local_compute")
+    second = complete(server, "kv-second")
+
+    # The ExampleConnector loads the prompt's whole blocks but the last token's: (prompt − 2) // 128 blocks.
+    loaded = (second.prompt_tokens - 2) // BLOCK_TOKENS * BLOCK_TOKENS
+    deadline = time.monotonic() + 10
+    while external_tokens(server) - before < loaded and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert external_tokens(server) - before == loaded >= 2 * BLOCK_TOKENS
+    # Only the rest was computed, and the answer counts the transferred tokens as cached, as vLLM's worker does.
+    assert server.sample_sum(EXTERNAL, source="local_compute") - computed_before == second.prompt_tokens - loaded
+    assert (first.cached_tokens, second.cached_tokens) == (0, loaded)
+    assert list(second.output_ids) == list(first.output_ids)
+    assert len(first.output_ids) == 16
+
+
+def test_kv_transfer_params_pass_through_to_the_connector_without_error(pd_server: tuple[ServerProcess, Path]) -> None:
+    server, _ = pd_server
+    plain = complete(server, "kv-plain")
+    as_json = complete(server, "kv-json", kv_transfer_params_json=json.dumps({"do_remote_prefill": False, "x": [1]}))
+    typed = complete(
+        server, "kv-typed", kv_transfer_params=vllm_pb.KvTransferParams(remote_host="127.0.0.1", remote_port=5600)
+    )
+    for answer in (as_json, typed):
+        assert answer.finish_reason == "length"
+        assert list(answer.output_ids) == list(plain.output_ids)
+        # The ExampleConnector answers nothing for the next worker.
+        assert not answer.HasField("kv_transfer_params_json")
+    # Malformed parameters are the caller's fault, and the worker keeps serving.
+    with grpc.insecure_channel(server.address) as channel:
+        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        bad = vllm_pb.GenerateRequest(request_id="kv-bad", text=LONG_PROMPT, kv_transfer_params_json="[1]")
+        with pytest.raises(grpc.RpcError) as caught:
+            list(stub.Generate(bad, timeout=60))
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert (caught.value.details() or "").startswith("kv_transfer_params_json: ")
+    assert server.health() == "SERVING"
