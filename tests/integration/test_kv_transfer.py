@@ -3,9 +3,9 @@ store) behind --kv-transfer-config. GetServerInfo says which connector and role 
 sent again is loaded from the store instead of computed (vLLM's own count of transferred tokens grows) and
 answers the same, and kv_transfer_params reach the engine on vLLM's engine protocol.
 
-One server for the module. Every prompt sent to it is longer than two KV blocks (128 tokens each on a CPU):
-the ExampleConnector kills the engine when a prompt shorter than one block is seen twice (its lookup aligns
-the prompt to zero tokens; issue 49), so no short prompt is sent here (the server's own warm-up is one).
+One server for the module. vLLM's ExampleConnector alone kills the engine when a prompt shorter than one KV
+block (128 tokens on a CPU) is seen twice (its lookup answers a negative match); phasescope's wrapper around
+every connector refuses matches below one block, and a test here sends such prompts again and again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
+from phasescope.client.client import build_request
 from support.servers import ServerProcess
 
 BLOCK_TOKENS = 128
@@ -140,3 +141,16 @@ def test_kv_transfer_params_pass_through_to_the_connector_without_error(pd_serve
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert (caught.value.details() or "").startswith("kv_transfer_params_json: ")
     assert server.health() == "SERVING"
+
+
+def test_prompts_shorter_than_one_block_seen_again_do_not_take_the_worker_down(
+    pd_server: tuple[ServerProcess, Path],
+) -> None:
+    server, _ = pd_server
+    with server.client() as client:
+        for prompt in ("Hi", "Hi", "A", "A", "Hello there", "Hello there"):
+            answer = client.generate(build_request(prompt=prompt, temperature=0.0, max_tokens=4, ignore_eos=True))
+            assert answer.usage.completion_tokens == 4
+    # Each was computed, never "loaded" from a match shorter than a block; the worker still serves.
+    assert server.health() == "SERVING"
+    assert complete(server, "kv-after-short").finish_reason == "length"

@@ -18,6 +18,7 @@ import os
 import uuid
 from collections.abc import AsyncGenerator
 from contextlib import aclosing
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -192,6 +193,36 @@ def _engine_config(engine_args: Any) -> Any:
         raise EngineConfigError(f"{_JSON_CONFIG_FLAGS[name]}: {where}{message}") from exc
 
 
+@dataclass(frozen=True, slots=True)
+class _KvTransfer:
+    """--kv-transfer-config as given (what GetServerInfo reports) and as the engine gets it: inside phasescope's
+    connector (phasescope.engine.vllm.kv_connector)."""
+
+    given: Any
+    """vLLM's KVTransferConfig of the user's object."""
+    engine_config: dict[str, Any]
+    hybrid_allocator: bool
+    """Whether the user's connector works with vLLM's hybrid KV-cache allocator (vLLM turns it off otherwise)."""
+
+
+def _kv_transfer(text: str) -> _KvTransfer | None:
+    """The user's KV connector checked (its fields and its name against vLLM's registry: one `EngineConfigError`
+    line naming the field) and wrapped; None without one."""
+    if not text:
+        return None
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from phasescope.engine.vllm.kv_connector import wrapped_kv_transfer_config
+
+    given = vllm_config_object("--kv-transfer-config", text, KVTransferConfig)
+    try:
+        hybrid = KVConnectorFactory.supports_hma_config(given)
+    except (ImportError, ValueError) as exc:
+        raise EngineConfigError(f"--kv-transfer-config: kv_connector: {' '.join(str(exc).split())}") from exc
+    return _KvTransfer(given, wrapped_kv_transfer_config(json.loads(text)), hybrid)
+
+
 def _kv_connector(config: Any) -> KvConnector | None:
     """The KV connector as vLLM's own worker reports it to a gateway (smg-grpc-servicer's `resolve_pd_connector`:
     a MultiConnector is its one mover, with that child's engine id); None without a connector."""
@@ -325,6 +356,7 @@ class VllmEngine:
             # when less is free (seen on a VM whose node reports 9 of its 23 GiB); a fixed
             # cache starts anywhere and holds ~93k tokens of the default model.
             kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
+        kv_transfer = _kv_transfer(options.kv_transfer_config)
         engine_args = AsyncEngineArgs(
             model=model_path,
             served_model_name=served_model_name,
@@ -355,7 +387,11 @@ class VllmEngine:
             per_request_spec_decode_metrics="summary" if options.speculative_config else "none",
             # Checked with the rest of the configuration (`_engine_config`), the connector's name against vLLM's
             # registry included.
-            kv_transfer_config=json.loads(options.kv_transfer_config) if options.kv_transfer_config else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
+            kv_transfer_config=kv_transfer.engine_config if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
+            # vLLM decides this from the connector's class: phasescope's wrapper would always say yes.
+            disable_hybrid_kv_cache_manager=True
+            if kv_transfer is not None and not kv_transfer.hybrid_allocator
+            else None,
         )
         vllm_config = _engine_config(engine_args)
         # vLLM's own series too, through the pipeline (vLLM adds its default Prometheus logger only without one).
@@ -397,7 +433,7 @@ class VllmEngine:
                     str(llm.vllm_config.cache_config.cache_dtype),
                     (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
                 ),
-                kv_connector=_kv_connector(llm.vllm_config.kv_transfer_config),
+                kv_connector=_kv_connector(kv_transfer.given if kv_transfer is not None else None),
                 **_model_facts(llm),
             )
             engine = cls(llm, description)
