@@ -45,7 +45,7 @@ def engine_complete(server: ServerProcess, ids: list[int], max_tokens: int) -> A
 def test_a_model_drafting_for_itself_answers_as_without_speculation_with_every_draft_accepted(
     drafting_server: ServerProcess, client: Client
 ) -> None:
-    request = build_request(chat=CHAT, temperature=0.0, max_tokens=32)
+    request = build_request(chat=CHAT, temperature=0.0, max_tokens=32, ignore_eos=True)
     plain = client.generate(request)
     with drafting_server.client() as drafting:
         speculative = drafting.generate(request)
@@ -55,6 +55,13 @@ def test_a_model_drafting_for_itself_answers_as_without_speculation_with_every_d
     assert timings.speculative_drafted_tokens >= K
     assert timings.speculative_accepted_tokens == timings.speculative_drafted_tokens
     assert (plain.timings.speculative_drafted_tokens, plain.timings.speculative_accepted_tokens) == (0, 0)
+    # The stages add up as without speculation, and decode's rate counts emitted tokens, not positions verified.
+    engine_time = timings.queue_seconds + timings.prefill_seconds + timings.decode_seconds
+    assert timings.e2e_seconds >= engine_time
+    assert timings.e2e_seconds - engine_time < 0.5 * timings.e2e_seconds
+    assert speculative.usage.completion_tokens == 32
+    assert timings.decode_tokens_per_second == pytest.approx(31 / timings.decode_seconds, rel=1e-6)
+    assert timings.mean_inter_token_seconds == pytest.approx(timings.decode_seconds / 31, rel=1e-6)
 
 
 def test_the_engine_protocol_reports_drafted_and_accepted_tokens_as_vllms_worker_does(
