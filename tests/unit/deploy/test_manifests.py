@@ -6,6 +6,7 @@ import importlib.metadata
 import json
 import os
 import re
+import shlex
 import shutil
 import subprocess
 import sys
@@ -28,6 +29,7 @@ BIN = Path(sys.executable).parent
 KEDA = DEPLOY / "k8s/autoscaling/keda"
 ADAPTER_RULES = DEPLOY / "k8s/autoscaling/prometheus-adapter-rules.yaml"
 COMPOSE = DEPLOY / "compose/docker-compose.yml"
+COMPOSE_PD = DEPLOY / "compose/docker-compose.pd.yml"
 # The rendered objects: the workers' (the base) and the gateway's (the gateway component).
 WORKER = "phasescope"
 GATEWAY = "phasescope-gateway"
@@ -65,13 +67,15 @@ def test_every_alert_has_a_runbook_and_a_promtool_unit_test() -> None:
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_prometheus_config_is_valid() -> None:
-    result = run(tool("promtool"), "check", "config", "prometheus/prometheus.yml")
+@pytest.mark.parametrize("config", ["prometheus.yml", "prometheus.pd.yml"])
+def test_prometheus_config_is_valid(config: str) -> None:
+    result = run(tool("promtool"), "check", "config", f"prometheus/{config}")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_compose_file_parses() -> None:
-    result = run(tool("docker-compose"), "-f", "compose/docker-compose.yml", "config", "-q")
+@pytest.mark.parametrize("compose", [COMPOSE, COMPOSE_PD], ids=lambda path: path.name)
+def test_compose_file_parses(compose: Path) -> None:
+    result = run(tool("docker-compose"), "-f", str(compose), "config", "-q")
     assert result.returncode == 0, result.stdout + result.stderr
 
 
@@ -414,7 +418,7 @@ def test_the_gateway_discovers_the_worker_pods_by_their_labels_on_their_grpc_por
     assert not selects(services[WORKER], pod_labels(gateway))
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "pd"])
 def test_the_gateways_role_lets_it_list_and_watch_pods_in_its_namespace(overlay: str) -> None:
     documents = render(overlay)
     account = named(documents, "Deployment", GATEWAY)["spec"]["template"]["spec"]["serviceAccountName"]
@@ -440,7 +444,7 @@ def test_the_gateways_role_lets_it_list_and_watch_pods_in_its_namespace(overlay:
     assert not {"ClusterRole", "ClusterRoleBinding"} & {doc["kind"] for doc in documents}
 
 
-@pytest.mark.parametrize("overlay", OVERLAYS)
+@pytest.mark.parametrize("overlay", [*OVERLAYS, "pd"])
 def test_the_gateway_probes_its_own_health_listener_and_serves_http_on_its_service(overlay: str) -> None:
     documents = render(overlay)
     pod = named(documents, "Deployment", GATEWAY)["spec"]["template"]["spec"]
@@ -485,9 +489,9 @@ def test_each_service_is_scraped_by_one_service_monitor_and_every_worker_pod_by_
     )
 
 
-def compose_config() -> dict[str, Any]:
-    """The compose file as docker-compose reads it (normalised: `depends_on` with conditions, ports as maps)."""
-    result = run(tool("docker-compose"), "-f", str(COMPOSE), "config")
+def compose_config(compose: Path = COMPOSE) -> dict[str, Any]:
+    """A compose file as docker-compose reads it (normalised: `depends_on` with conditions, ports as maps)."""
+    result = run(tool("docker-compose"), "-f", str(compose), "config")
     assert result.returncode == 0, result.stdout + result.stderr
     return dict(yaml.safe_load(result.stdout))
 
@@ -559,3 +563,257 @@ def test_smg_reads_the_gateways_arguments_as_the_tests_read_them() -> None:
     assert listed.worker_urls == flags["--worker-urls"]
     assert listed.tokenizer_path == flags["--tokenizer-path"][0]
     assert (listed.policy, listed.port) == (flags["--policy"][0], int(flags["--port"][0]))
+
+
+# Disaggregated prefill and decode (docs/disaggregation.md): the `pd` overlay and the compose variant.
+
+PD = "pd"
+# Each pool's name suffix and pod label value -> the role its KV connector plays.
+POOLS = {"prefill": "kv_producer", "decode": "kv_consumer"}
+ROLE_LABEL = "phasescope.io/role"
+# vLLM's connector that keeps each prompt's KV as files in a folder (shared_storage_path).
+SHARED_FOLDER_CONNECTOR = "ExampleConnector"
+# A pod annotation smg would read in place of the connector a worker reports in GetServerInfo.
+KV_CONNECTOR_ANNOTATION = "smg.ai/kv-connector"
+
+
+def kv_transfer_config(args: list[str]) -> dict[str, Any]:
+    value = serve_flag(args, "--kv-transfer-config")
+    assert value, f"no --kv-transfer-config in {args}"
+    config = json.loads(value)
+    assert isinstance(config, dict), value
+    return config
+
+
+def pool(documents: list[dict[str, Any]], role: str) -> dict[str, Any]:
+    return named(documents, "Deployment", f"{WORKER}-{role}")
+
+
+def selector_flag(flags: dict[str, list[str]], name: str) -> dict[str, str]:
+    """A repeated `--*-selector key=value` flag as smg's launcher reads it (an item may hold several pairs)."""
+    return dict(pair.split("=", 1) for value in flags[name] for pair in value.split())
+
+
+def test_the_pd_overlay_renders_two_worker_pools_and_the_gateway_and_validates(tmp_path: Path) -> None:
+    documents = render(PD)
+    validate(documents, tmp_path / "pd.yaml")
+    deployments = {doc["metadata"]["name"] for doc in documents if doc["kind"] == "Deployment"}
+    assert deployments == {f"{WORKER}-{role}" for role in POOLS} | {GATEWAY}
+    # One copy of the alerts and one ServiceMonitor for the workers, whatever the number of pools.
+    assert [doc["metadata"]["name"] for doc in documents if doc["kind"] == "PrometheusRule"] == [WORKER]
+    assert sorted(doc["metadata"]["name"] for doc in documents if doc["kind"] == "ServiceMonitor") == [WORKER, GATEWAY]
+    assert "ScaledObject" not in {doc["kind"] for doc in documents}
+
+
+@pytest.mark.parametrize("role", POOLS)
+def test_each_pd_pool_is_the_cpu_overlays_worker_with_its_role_label_and_kv_connector(role: str) -> None:
+    documents = render(PD)
+    deployment = pool(documents, role)
+    labels = pod_labels(deployment)
+    assert labels[ROLE_LABEL] == role
+    assert deployment["spec"]["selector"]["matchLabels"][ROLE_LABEL] == role
+    assert selects(deployment["spec"]["selector"]["matchLabels"], labels)
+    # smg takes the connector from the worker's GetServerInfo; an annotation would override it.
+    assert KV_CONNECTOR_ANNOTATION not in deployment["spec"]["template"]["metadata"].get("annotations", {})
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    config = kv_transfer_config(container["args"])
+    assert config["kv_connector"] == SHARED_FOLDER_CONNECTOR
+    assert config["kv_role"] == POOLS[role]
+    # Otherwise the cpu overlay's worker: image, settings, probes, ports, resources and grace.
+    cpu = named(render("cpu"), "Deployment", WORKER)
+    cpu_pod = cpu["spec"]["template"]["spec"]
+    cpu_container = cpu_pod["containers"][0]
+    assert [arg for arg in container["args"] if not arg.startswith("--kv-transfer-config")] == cpu_container["args"]
+    kv_store = config["kv_connector_extra_config"]["shared_storage_path"]
+    assert [m for m in container["volumeMounts"] if m["mountPath"] != kv_store] == cpu_container["volumeMounts"]
+    for field in ("image", "env", "ports", "resources", "startupProbe", "readinessProbe", "livenessProbe"):
+        assert container[field] == cpu_container[field], field
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["terminationGracePeriodSeconds"] == cpu_pod["terminationGracePeriodSeconds"]
+    assert deployment["spec"]["strategy"] == cpu["spec"]["strategy"]
+
+
+def test_the_pd_pools_connectors_share_one_read_write_many_volume_the_images_user_can_write() -> None:
+    documents = render(PD)
+    pods = {role: pool(documents, role)["spec"]["template"]["spec"] for role in POOLS}
+    configs = {role: kv_transfer_config(pod["containers"][0]["args"]) for role, pod in pods.items()}
+    # The same connector and folder, only the role differs.
+    assert len({json.dumps({**config, "kv_role": None}, sort_keys=True) for config in configs.values()}) == 1
+    # The image runs as 1000:1000 (Dockerfile.cpu); the group owns the store where Kubernetes manages it.
+    user = re.search(r"^USER (\d+):(\d+)$", (DEPLOY / "docker/Dockerfile.cpu").read_text(), re.MULTILINE)
+    assert user, "Dockerfile.cpu sets no USER uid:gid"
+    claims: set[str] = set()
+    for role, config in configs.items():
+        pod = pods[role]
+        (mount,) = [
+            m
+            for m in pod["containers"][0]["volumeMounts"]
+            if m["mountPath"] == config["kv_connector_extra_config"]["shared_storage_path"]
+        ]
+        assert not mount.get("readOnly"), role
+        (volume,) = [volume for volume in pod["volumes"] if volume["name"] == mount["name"]]
+        claims.add(volume["persistentVolumeClaim"]["claimName"])
+        assert pod["securityContext"]["fsGroup"] == int(user.group(2)), role
+    (claim,) = claims
+    assert named(documents, "PersistentVolumeClaim", claim)["spec"]["accessModes"] == ["ReadWriteMany"]
+
+
+def test_each_pd_pool_has_its_own_service_disruption_budget_and_autoscaler() -> None:
+    documents = render(PD)
+    gateway = named(documents, "Deployment", GATEWAY)
+    for role in POOLS:
+        name = f"{WORKER}-{role}"
+        own = pod_labels(pool(documents, role))
+        others = [pod_labels(pool(documents, other)) for other in POOLS if other != role] + [pod_labels(gateway)]
+        service = named(documents, "Service", name)["spec"]["selector"]
+        budget = named(documents, "PodDisruptionBudget", name)["spec"]["selector"]["matchLabels"]
+        for selector in (service, budget):
+            assert selects(selector, own), (name, selector)
+            assert not any(selects(selector, labels) for labels in others), (name, selector)
+        target = named(documents, "HorizontalPodAutoscaler", name)["spec"]["scaleTargetRef"]
+        assert (target["kind"], target["name"]) == ("Deployment", name)
+
+
+def test_one_service_monitor_scrapes_both_pd_pools_under_the_job_the_alerts_select() -> None:
+    documents = render(PD)
+    monitors = [doc for doc in documents if doc["kind"] == "ServiceMonitor"]
+    for service in (doc for doc in documents if doc["kind"] == "Service"):
+        scraping = [m for m in monitors if selects(m["spec"]["selector"]["matchLabels"], service["metadata"]["labels"])]
+        assert len(scraping) == 1, (service["metadata"]["name"], [m["metadata"]["name"] for m in scraping])
+    monitor = named(documents, "ServiceMonitor", WORKER)
+    alerts = (DEPLOY / "prometheus/alerts.yml").read_text()
+    assert 'job="phasescope"' in alerts
+    for role in POOLS:
+        service = named(documents, "Service", f"{WORKER}-{role}")
+        assert selects(monitor["spec"]["selector"]["matchLabels"], service["metadata"]["labels"]), role
+        # Prometheus Operator names the job after the Service unless jobLabel names one of its labels.
+        assert service["metadata"]["labels"][monitor["spec"]["jobLabel"]] == "phasescope", role
+    rule = named(documents, "PrometheusRule", WORKER)
+    assert rule["spec"]["groups"] == yaml.safe_load(alerts)["groups"]
+
+
+def test_the_pd_gateway_finds_each_pool_by_its_role_label_through_kubernetes_discovery() -> None:
+    documents = render(PD)
+    gateway = named(documents, "Deployment", GATEWAY)
+    container = gateway_container(documents)
+    assert container["command"] == [GATEWAY_SCRIPT]
+    flags = launch_flags(container["args"])
+    assert "--pd-disaggregation" in flags
+    assert "--service-discovery" in flags or flags.get("--discovery-provider") == ["kubernetes"], flags
+    # Discovered, not listed; and no worker selector outside the two pools'.
+    assert not {"--worker-urls", "--prefill", "--decode", "--selector"} & set(flags), flags
+    for role in POOLS:
+        selector = selector_flag(flags, f"--{role}-selector")
+        assert selector[ROLE_LABEL] == role
+        deployment = pool(documents, role)
+        assert selects(selector, pod_labels(deployment)), (role, selector)
+        others = [pod_labels(pool(documents, other)) for other in POOLS if other != role] + [pod_labels(gateway)]
+        assert not any(selects(selector, labels) for labels in others), (role, selector)
+        worker_container = deployment["spec"]["template"]["spec"]["containers"][0]
+        assert flags["--service-discovery-port"] == [str(container_port(worker_container, "grpc"))], role
+        assert container["image"] == worker_container["image"]
+    assert flags["--service-discovery-namespace"] == ["$(POD_NAMESPACE)"]
+    env = {variable["name"]: variable for variable in container["env"]}
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    # Decode pods by their GetLoads, prefill pods by the prefixes they hold.
+    assert flags["--policy"] == ["least_load"]
+    assert flags["--prefill-policy"] == ["cache_aware"]
+    assert "--decode-policy" not in flags
+    # As smg's own launcher reads them.
+    parsed = smg_reads(container["args"])
+    assert parsed.pd_disaggregation
+    assert parsed.selected_discovery_provider() == "kubernetes"
+    assert parsed.prefill_selector == selector_flag(flags, "--prefill-selector")
+    assert parsed.decode_selector == selector_flag(flags, "--decode-selector")
+    assert (parsed.selector, parsed.worker_urls, parsed.prefill_urls, parsed.decode_urls) == ({}, [], [], [])
+    assert (parsed.policy, parsed.prefill_policy, parsed.decode_policy) == ("least_load", "cache_aware", None)
+    assert parsed.kv_connector_annotation == KV_CONNECTOR_ANNOTATION
+
+
+def test_compose_pd_pairs_a_prefill_and_a_decode_worker_sharing_a_kv_store_behind_smg_in_pd_mode() -> None:
+    config = compose_config(COMPOSE_PD)
+    services = config["services"]
+    gateway = services["gateway"]
+    assert gateway["entrypoint"] == [GATEWAY_SCRIPT]
+    command = [str(arg) for arg in gateway["command"]]
+    flags = launch_flags(command)
+    assert "--pd-disaggregation" in flags
+    assert "--worker-urls" not in flags
+    scraped = yaml.safe_load((DEPLOY / "prometheus/prometheus.pd.yml").read_text())["scrape_configs"]
+    targets = {
+        target
+        for job in scraped
+        if job["job_name"] == "phasescope"
+        for static in job["static_configs"]
+        for target in static["targets"]
+    }
+    stores: set[tuple[str, str]] = set()
+    workers: list[str] = []
+    for flag, role in (("--prefill", "kv_producer"), ("--decode", "kv_consumer")):
+        assert flags.get(flag), f"no {flag}"
+        for url in flags[flag]:
+            address = urllib.parse.urlsplit(url)
+            assert address.scheme == "grpc", url
+            assert address.hostname in services, f"{url} names no service of the compose file"
+            worker = services[address.hostname]
+            workers.append(str(address.hostname))
+            assert worker["image"] == gateway["image"]
+            worker_command = [str(arg) for arg in worker["command"]]
+            assert address.port == int(serve_flag(worker_command, "--port") or Settings.model_fields["port"].default)
+            assert gateway["depends_on"][address.hostname]["condition"] == "service_healthy"
+            kv = kv_transfer_config(worker_command)
+            assert (kv["kv_connector"], kv["kv_role"]) == (SHARED_FOLDER_CONNECTOR, role), address.hostname
+            folder = kv["kv_connector_extra_config"]["shared_storage_path"]
+            mounted = {target: source for source, target, *_ in (volume.split(":") for volume in worker["volumes"])}
+            stores.add((mounted[folder], folder))
+            metrics = serve_flag(worker_command, "--metrics-port") or Settings.model_fields["metrics_port"].default
+            assert f"{address.hostname}:{metrics}" in targets, (address.hostname, targets)
+    assert sorted(workers) == ["decode", "prefill"]
+    # One named volume at one folder for both connectors.
+    ((volume, folder),) = stores
+    assert volume in config["volumes"]
+    # The image's user owns it before either worker starts (a new volume belongs to root).
+    user = re.search(r"^USER (\d+:\d+)$", (DEPLOY / "docker/Dockerfile.cpu").read_text(), re.MULTILINE)
+    assert user, "Dockerfile.cpu sets no USER uid:gid"
+    (init,) = [
+        name
+        for name, service in services.items()
+        if name not in workers and any(v.split(":")[0] == volume for v in service.get("volumes", []))
+    ]
+    assert services[init]["entrypoint"] == ["chown", user.group(1), folder]
+    for worker in workers:
+        assert services[worker]["depends_on"][init]["condition"] == "service_completed_successfully"
+    # As smg's own launcher reads them, with the tokenizer of the image's default model.
+    parsed = smg_reads(command)
+    assert parsed.pd_disaggregation
+    assert parsed.selected_discovery_provider() is None
+    assert parsed.prefill_urls == [(url, None) for url in flags["--prefill"]]
+    assert parsed.decode_urls == flags["--decode"]
+    cache = re.search(r"PHASESCOPE_CACHE_DIR=(\S+)", (DEPLOY / "docker/Dockerfile.cpu").read_text())
+    assert cache, "Dockerfile.cpu sets no PHASESCOPE_CACHE_DIR"
+    assert parsed.tokenizer_path == f"{cache.group(1)}/models/{DEFAULT_MODEL_NAME}"
+    assert {int(port["target"]): int(port["published"]) for port in gateway["ports"]} == {parsed.port: 30000}
+
+
+def test_the_documented_pd_commands_are_read_by_smg_and_phasescope() -> None:
+    """docs/disaggregation.md's one-machine commands: smg's launcher and `phasescope serve` accept every flag."""
+    from phasescope.cli.main import build_parser
+
+    text = (ROOT / "docs/disaggregation.md").read_text()
+    (block,) = re.findall(r"```sh\n(MODEL=.*?)```", text, re.DOTALL)
+    commands = [
+        shlex.split(line.replace("$MODEL", "/models/m").rstrip(" &"))
+        for line in block.replace("\\\n", " ").splitlines()
+    ]
+    serves = [command for command in commands if command[:2] == [".venv/bin/phasescope", "serve"]]
+    launches = [command for command in commands if command[:2] == [".venv/bin/smg", "launch"]]
+    assert len(serves) == 2, commands
+    assert len(launches) == 1, commands
+    roles: dict[str, int] = {}
+    for command in serves:
+        args = build_parser().parse_args(command[1:])
+        roles[kv_transfer_config(command)["kv_role"]] = args.port
+    parsed = smg_reads(launches[0][1:])
+    assert parsed.pd_disaggregation
+    assert parsed.prefill_urls == [(f"grpc://127.0.0.1:{roles['kv_producer']}", None)]
+    assert parsed.decode_urls == [f"grpc://127.0.0.1:{roles['kv_consumer']}"]
