@@ -12,17 +12,26 @@ import pytest
 
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.engine.base import EngineConfigError, KvConnector
-from phasescope.engine.vllm.engine import _engine_config, _kv_connector
+from phasescope.engine.vllm.engine import _engine_config, _kv_connector, _kv_transfer
 
 EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
 
-def engine_args(kv_transfer: dict[str, Any] | None, speculative: dict[str, Any] | None = None) -> Any:
+def wrapped(kv_transfer: dict[str, Any]) -> Any:
+    """The user's connector checked and wrapped, as phasescope hands it to the engine."""
+    kv = _kv_transfer(json.dumps(kv_transfer))
+    assert kv is not None
+    return kv
+
+
+def engine_args(kv: Any, speculative: dict[str, Any] | None = None) -> Any:
+    """The engine's arguments as phasescope builds them, with the wrapped connector `kv`."""
     from vllm.engine.arg_utils import AsyncEngineArgs
 
     return AsyncEngineArgs(
         model=str(ensure_tiny_model()),
-        kv_transfer_config=json.loads(json.dumps(kv_transfer)) if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's validation takes the object's JSON, as its CLI hands it over
+        kv_transfer_config=kv.engine_config,  # type: ignore[arg-type]  # vLLM's validation takes the object's JSON, as its CLI hands it over
+        disable_hybrid_kv_cache_manager=True if not kv.hybrid_allocator else None,
         speculative_config=speculative,
     )
 
@@ -41,7 +50,7 @@ def test_a_kv_transfer_config_vllm_refuses_is_one_line_naming_the_flag_and_field
     kv_transfer: dict[str, Any], named: str
 ) -> None:
     with pytest.raises(EngineConfigError) as caught:
-        _engine_config(engine_args(kv_transfer))
+        _kv_transfer(json.dumps(kv_transfer))
     message = str(caught.value)
     assert message.startswith("--kv-transfer-config: ")
     assert named in message
@@ -49,25 +58,26 @@ def test_a_kv_transfer_config_vllm_refuses_is_one_line_naming_the_flag_and_field
 
 
 def test_with_both_json_configs_the_one_vllm_refuses_is_the_one_named() -> None:
-    ngram = {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}
     with pytest.raises(EngineConfigError) as kv:
-        _engine_config(engine_args({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}, ngram))
+        _kv_transfer(json.dumps({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}))
     assert str(kv.value).startswith("--kv-transfer-config: ")
     with pytest.raises(EngineConfigError) as speculative:
-        _engine_config(engine_args(EXAMPLE, {"method": "ngram", "num_speculative_tokens": -1}))
+        _engine_config(engine_args(wrapped(EXAMPLE), {"method": "ngram", "num_speculative_tokens": -1}))
     assert str(speculative.value).startswith("--speculative-config: ")
     assert "num_speculative_tokens" in str(speculative.value)
 
 
 def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_vllm_gave_it(tmp_path: Path) -> None:
-    config = _engine_config(
-        engine_args({**EXAMPLE, "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
-    )
-    connector = _kv_connector(config.kv_transfer_config)
+    kv = wrapped({**EXAMPLE, "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
+    config = _engine_config(engine_args(kv))
+    connector = _kv_connector(kv.given)
     assert connector is not None
     assert (connector.connector, connector.role) == ("ExampleConnector", "kv_both")
-    # Given none, vLLM makes one up (a UUID), and that is the id its peers know it by.
+    # Given none, vLLM makes one up (a UUID), and that is the id its peers know it by: the engine, phasescope's
+    # connector and the user's connector inside it all run with the id GetServerInfo reports.
     assert connector.engine_id == config.kv_transfer_config.engine_id != ""
+    (child,) = config.kv_transfer_config.kv_connector_extra_config["connectors"]
+    assert child["engine_id"] == connector.engine_id
 
 
 def test_a_multi_connector_is_reported_as_its_one_mover_as_vllms_worker_reports_it() -> None:

@@ -220,7 +220,10 @@ def _kv_transfer(text: str) -> _KvTransfer | None:
         hybrid = KVConnectorFactory.supports_hma_config(given)
     except (ImportError, ValueError) as exc:
         raise EngineConfigError(f"--kv-transfer-config: kv_connector: {' '.join(str(exc).split())}") from exc
-    return _KvTransfer(given, wrapped_kv_transfer_config(json.loads(text)), hybrid)
+    # The engine id vLLM made up for the user's object, when it names none, is the one the engine runs with: the
+    # wrapper and its child take it from the top level, and GetServerInfo reports it to the peers.
+    config = {**json.loads(text), "engine_id": given.engine_id}
+    return _KvTransfer(given, wrapped_kv_transfer_config(config), hybrid)
 
 
 def _kv_connector(config: Any) -> KvConnector | None:
