@@ -144,6 +144,18 @@ def _sample_params(params: Any) -> list[Any]:
     return samples
 
 
+def _config_error(flag: str, exc: Exception, name: str = "") -> EngineConfigError:
+    """What vLLM refused in a setting's JSON object, as one line naming the flag and the field (`name`: the
+    object's own name, left out of the field's path when vLLM checked it as part of its whole configuration)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):  # pydantic's ValidationError has them; a plain ValueError does not
+        return EngineConfigError(f"{flag}: {' '.join(str(exc).split())}")
+    first = errors()[0]
+    where = ".".join(str(part) for part in first.get("loc", ()) if part not in ("__init__", name))
+    message = " ".join(str(first.get("msg", exc)).split())
+    return EngineConfigError(f"{flag}: {where or 'the object'}: {message}")
+
+
 def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
     """A setting's JSON object as vLLM's config class (None when empty); what vLLM refuses is one
     `EngineConfigError` line naming the flag and the field."""
@@ -152,45 +164,21 @@ def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
     try:
         return config_class(**json.loads(text))
     except (TypeError, ValueError) as exc:  # pydantic's ValidationError is a ValueError
-        errors = getattr(exc, "errors", None)
-        if callable(errors):
-            first = errors()[0]
-            where = ".".join(str(part) for part in first.get("loc", ()) if part != "__init__")
-            raise EngineConfigError(f"{flag}: {where or 'the object'}: {first.get('msg', exc)}") from exc
-        raise EngineConfigError(f"{flag}: {exc}") from exc
-
-
-# The engine arguments given as JSON objects, with their flags: what vLLM refuses in one is named by its flag.
-_JSON_CONFIG_FLAGS = {"speculative_config": "--speculative-config", "kv_transfer_config": "--kv-transfer-config"}
+        raise _config_error(flag, exc) from exc
 
 
 def _engine_config(engine_args: Any) -> Any:
-    """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config or
-    --kv-transfer-config (it checks those objects only here, against the model and its connector registry) is one
-    `EngineConfigError` line naming the flag and the field."""
+    """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config (it
+    checks that object only here, against the model) is one `EngineConfigError` line naming the field.
+    (--kv-transfer-config is checked before, on its own: `_kv_transfer`.)"""
     try:
         from vllm.usage.usage_lib import UsageContext
 
         return engine_args.create_engine_config(UsageContext.ENGINE_CONTEXT)
     except (TypeError, ValueError) as exc:
-        given = [name for name in _JSON_CONFIG_FLAGS if getattr(engine_args, name, None) is not None]
-        if not given:
+        if engine_args.speculative_config is None:
             raise
-        errors = getattr(exc, "errors", None)
-        first: dict[str, Any] = errors()[0] if callable(errors) else {}
-        loc = [str(part) for part in first.get("loc", ()) if part != "__init__"]
-        if loc and loc[0] in _JSON_CONFIG_FLAGS:
-            # Checked as a field of vLLM's whole configuration: the location starts with the object's name.
-            name, loc = loc[0], loc[1:]
-        elif len(given) == 1:
-            name = given[0]
-        else:
-            # Both given: the speculative object is checked on its own (its errors' title is its class).
-            name = "speculative_config" if "Speculative" in str(getattr(exc, "title", "")) else "kv_transfer_config"
-        # One line, whatever vLLM's message spans.
-        message = " ".join(str(first.get("msg", exc)).split())
-        where = f"{'.'.join(loc) or 'the object'}: " if first else ""
-        raise EngineConfigError(f"{_JSON_CONFIG_FLAGS[name]}: {where}{message}") from exc
+        raise _config_error("--speculative-config", exc, "speculative_config") from exc
 
 
 @dataclass(frozen=True, slots=True)

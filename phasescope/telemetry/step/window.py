@@ -370,31 +370,35 @@ class StepWindow:
         """Per engine that verified drafts in the window: its drafts and their cost (the part of each step inside
         the window)."""
         entries, _ = self._snapshot()
-        totals: dict[int, list[float]] = {}
+        totals: dict[int, dict[str, float]] = {}
         for fraction, entry in entries:
             speculative, cost = entry.step.speculative, entry.cost.speculative
             if speculative is None or fraction <= 0.0:
                 continue
-            values: list[float] = [speculative.drafts, speculative.drafted_tokens, speculative.accepted_tokens]
+            figures: dict[str, float] = {
+                "drafts": speculative.drafts,
+                "drafted_tokens": speculative.drafted_tokens,
+                "accepted_tokens": speculative.accepted_tokens,
+            }
             if cost is not None:
-                values += [
-                    cost.emitted_tokens,
-                    cost.positions,
-                    cost.requests,
-                    cost.useful_flops,
-                    cost.wasted_flops,
-                    cost.drafter_flops,
-                    cost.drafter_seconds,
-                    entry.cost.shares["decode"].seconds,
-                    cost.verify_memory_seconds,
-                    cost.verify_compute_seconds,
-                    cost.speculative_seconds,
-                    cost.plain_seconds,
-                ]
-            sums = totals.setdefault(entry.engine, [0.0] * 15)
-            for index, value in enumerate(values):
-                sums[index] += fraction * value
-        return {engine: SpeculationFigures(*sums) for engine, sums in totals.items()}
+                figures |= {
+                    "emitted_tokens": cost.emitted_tokens,
+                    "positions": cost.positions,
+                    "sequence_steps": cost.requests,
+                    "useful_flops": cost.useful_flops,
+                    "wasted_flops": cost.wasted_flops,
+                    "drafter_flops": cost.drafter_flops,
+                    "drafter_seconds": cost.drafter_seconds,
+                    "busy_seconds": entry.cost.shares["decode"].seconds,
+                    "verify_memory_seconds": cost.verify_memory_seconds,
+                    "verify_compute_seconds": cost.verify_compute_seconds,
+                    "speculative_seconds": cost.speculative_seconds,
+                    "plain_seconds": cost.plain_seconds,
+                }
+            sums = totals.setdefault(entry.engine, {})
+            for name, value in figures.items():
+                sums[name] = sums.get(name, 0.0) + fraction * value
+        return {engine: SpeculationFigures(**sums) for engine, sums in totals.items()}
 
     def agreement(self) -> dict[str, float]:
         """Cost model ÷ engine estimate over the window, for FLOPs and bytes read (absent without engine estimates)."""
