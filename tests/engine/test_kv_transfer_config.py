@@ -76,8 +76,22 @@ def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_
     # Given none, vLLM makes one up (a UUID), and that is the id its peers know it by: the engine, phasescope's
     # connector and the user's connector inside it all run with the id GetServerInfo reports.
     assert connector.engine_id == config.kv_transfer_config.engine_id != ""
-    (child,) = config.kv_transfer_config.kv_connector_extra_config["connectors"]
-    assert child["engine_id"] == connector.engine_id
+    # The user's connector as vLLM's MultiConnector makes it inside phasescope's.
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    ((child_class, child_config),) = MultiConnector._get_connector_classes_and_configs(config)
+    assert child_class.__name__ == "ExampleConnector"
+    assert child_config.kv_transfer_config.engine_id == connector.engine_id
+
+
+def test_an_engine_id_the_operator_names_is_the_one_the_engine_and_its_connector_run_with() -> None:
+    kv = wrapped({**EXAMPLE, "engine_id": "prefill-0", "kv_connector_extra_config": {"shared_storage_path": "x"}})
+    config = _engine_config(engine_args(kv))
+    from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+
+    ((_, child_config),) = MultiConnector._get_connector_classes_and_configs(config)
+    assert _kv_connector(kv.given) == KvConnector("ExampleConnector", "kv_both", "prefill-0")
+    assert config.kv_transfer_config.engine_id == child_config.kv_transfer_config.engine_id == "prefill-0"
 
 
 def test_a_multi_connector_is_reported_as_its_one_mover_as_vllms_worker_reports_it() -> None:

@@ -29,7 +29,10 @@ def wrapped_kv_transfer_config(config: dict[str, Any]) -> dict[str, Any]:
     outer = {key: value for key, value in config.items() if key not in ("kv_connector", "kv_connector_module_path")}
     outer["kv_connector"] = CONNECTOR_NAME
     outer["kv_connector_module_path"] = MODULE_PATH
-    outer["kv_connector_extra_config"] = {"connectors": [config]}
+    # The child runs with the top level's engine id: vLLM's MultiConnector gives it that id, and fails to start
+    # (KVTransferConfig "got multiple values for keyword argument 'engine_id'") when the child names one itself.
+    child = {key: value for key, value in config.items() if key != "engine_id"}
+    outer["kv_connector_extra_config"] = {"connectors": [child]}
     return outer
 
 
