@@ -81,6 +81,7 @@ def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_
 
     ((child_class, child_config),) = MultiConnector._get_connector_classes_and_configs(config)
     assert child_class.__name__ == "ExampleConnector"
+    assert child_config.kv_transfer_config is not None
     assert child_config.kv_transfer_config.engine_id == connector.engine_id
 
 
@@ -91,6 +92,7 @@ def test_an_engine_id_the_operator_names_is_the_one_the_engine_and_its_connector
 
     ((_, child_config),) = MultiConnector._get_connector_classes_and_configs(config)
     assert _kv_connector(kv.given) == KvConnector("ExampleConnector", "kv_both", "prefill-0")
+    assert child_config.kv_transfer_config is not None
     assert config.kv_transfer_config.engine_id == child_config.kv_transfer_config.engine_id == "prefill-0"
 
 
