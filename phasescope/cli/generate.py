@@ -65,7 +65,14 @@ def format_timings(t: pb.Timings) -> str:
     # Imported here: it loads the generated messages, which `phasescope --help` does without.
     from phasescope.serve.timings import TIMED_STAGES
 
-    stages = [f"{stage.name} {getattr(t, stage.seconds_field) * 1e3:.1f} ms" for stage in TIMED_STAGES]
+    # A stage inside another (kv_transfer) only where the request had it.
+    stages = [
+        f"{stage.name} {getattr(t, stage.seconds_field) * 1e3:.1f} ms"
+        for stage in TIMED_STAGES
+        if not stage.nested or getattr(t, stage.seconds_field)
+    ]
+    if t.kv_loaded_tokens or t.kv_saved_tokens:
+        stages.append(f"KV loaded {t.kv_loaded_tokens} saved {t.kv_saved_tokens} tokens")
     return " | ".join(
         [
             *stages,

@@ -330,11 +330,13 @@ def _latency_line(latency: pb.LatencySnapshot) -> Text:
         # 0 when no request ended the phase in the window (a measured duration is never exactly 0).
         return duration(seconds) if seconds else "—"
 
-    # The stages the snapshot carries a window mean for, in the table's order.
+    # The stages the snapshot carries a window mean for, in the table's order (one inside another, kv_transfer,
+    # only when a request in the window had it).
     means = " · ".join(
         f"{stage.name} {mean(getattr(latency, f'{stage.name}_mean_seconds'))}"
         for stage in STAGES
         if f"{stage.name}_mean_seconds" in latency.DESCRIPTOR.fields_by_name
+        and not (stage.nested and not getattr(latency, f"{stage.name}_mean_seconds"))
     )
     return Text.assemble(("latency ", "bold"), f"TTFT {ttft} · ITL {itl}\n        mean {means}")
 

@@ -22,6 +22,9 @@ def timings_message(timings: PhaseTimings) -> pb.Timings:
         decode_prefill_interference_seconds=timings.decode_prefill_interference_seconds or 0.0,
         speculative_drafted_tokens=timings.speculative_drafted_tokens,
         speculative_accepted_tokens=timings.speculative_accepted_tokens,
+        kv_loaded_tokens=timings.kv_loaded_tokens,
+        kv_saved_tokens=timings.kv_saved_tokens,
+        kv_transfer_bytes=timings.kv_transfer_bytes,
         # Each stage with a field of its own in the contract, set in one call (a field set afterwards costs more).
         **{name: getattr(timings, name) or 0.0 for name in _TIMED_FIELDS},
     )

@@ -206,6 +206,7 @@ def build_snapshot(
             queue_mean_seconds=latency.queue_mean,
             prefill_mean_seconds=latency.prefill_mean,
             decode_mean_seconds=latency.decode_mean,
+            kv_transfer_mean_seconds=latency.kv_transfer_mean,
         ),
         requests_in_flight=len(in_flight),
     )

@@ -43,6 +43,8 @@ class LatencyFigures:
     queue_mean: float
     prefill_mean: float
     decode_mean: float
+    kv_transfer_mean: float = 0.0
+    """Of the requests that moved KV through a connector."""
 
 
 class _Recent:
@@ -87,6 +89,7 @@ class RecentLatencies(StepSink):
         self._queue = _Recent(clock)
         self._prefill = _Recent(clock)
         self._decode = _Recent(clock)
+        self._kv_transfer = _Recent(clock)
         self.rejected = 0
         """Requests refused before the engine, since start (a watcher diffs it)."""
 
@@ -114,6 +117,9 @@ class RecentLatencies(StepSink):
             if timings.decode_seconds is not None and tokens > 1:
                 with self._lock:
                     self._decode.add(timings.decode_seconds)
+        if record.timings.kv_transfer_seconds is not None:
+            with self._lock:
+                self._kv_transfer.add(record.timings.kv_transfer_seconds)
 
     def request_rejected(self, model: str, reason: str) -> None:
         with self._lock:
@@ -132,6 +138,7 @@ class RecentLatencies(StepSink):
             ttft = self._ttft.since(start)
             itl = self._itl.since(start)
             queue, prefill, decode = self._queue.since(start), self._prefill.since(start), self._decode.since(start)
+            kv_transfer = self._kv_transfer.since(start)
 
         def mean(values: list[float]) -> float:
             return sum(values) / len(values) if values else 0.0
@@ -146,4 +153,5 @@ class RecentLatencies(StepSink):
             queue_mean=mean(queue),
             prefill_mean=mean(prefill),
             decode_mean=mean(decode),
+            kv_transfer_mean=mean(kv_transfer),
         )

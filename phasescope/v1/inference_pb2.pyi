@@ -579,6 +579,10 @@ class Timings(_message.Message):
     DECODE_PREFILL_INTERFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_DRAFTED_TOKENS_FIELD_NUMBER: _builtins.int
     SPECULATIVE_ACCEPTED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_SECONDS_FIELD_NUMBER: _builtins.int
+    KV_LOADED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_SAVED_TOKENS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
     queue_seconds: _builtins.float
     """Every interval is on one monotonic clock: the engine core's stamps compared
     with the front end's own readings for this request (docs/metrics.md).
@@ -623,6 +627,15 @@ class Timings(_message.Message):
     its verify steps accepted (0 without speculation).
     """
     speculative_accepted_tokens: _builtins.int
+    kv_transfer_seconds: _builtins.float
+    """With a KV connector (--kv-transfer-config): the time the connector spent moving this
+    request's KV cache (the kv_transfer stage: loading inside queue or prefill, saving inside
+    prefill; docs/metrics.md says which engine points it spans), the prompt tokens whose KV
+    was loaded instead of computed, those saved for another worker, and the KV bytes moved.
+    """
+    kv_loaded_tokens: _builtins.int
+    kv_saved_tokens: _builtins.int
+    kv_transfer_bytes: _builtins.float
     def __init__(
         self,
         *,
@@ -640,10 +653,14 @@ class Timings(_message.Message):
         decode_prefill_interference_seconds: _builtins.float = ...,
         speculative_drafted_tokens: _builtins.int = ...,
         speculative_accepted_tokens: _builtins.int = ...,
+        kv_transfer_seconds: _builtins.float = ...,
+        kv_loaded_tokens: _builtins.int = ...,
+        kv_saved_tokens: _builtins.int = ...,
+        kv_transfer_bytes: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_drafted_tokens", b"speculative_drafted_tokens", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "kv_loaded_tokens", b"kv_loaded_tokens", "kv_saved_tokens", b"kv_saved_tokens", "kv_transfer_bytes", b"kv_transfer_bytes", "kv_transfer_seconds", b"kv_transfer_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_drafted_tokens", b"speculative_drafted_tokens", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1378,6 +1395,7 @@ class LatencySnapshot(_message.Message):
     QUEUE_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
     PREFILL_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
+    KV_TRANSFER_MEAN_SECONDS_FIELD_NUMBER: _builtins.int
     time_to_first_token_p50_seconds: _builtins.float
     """Over the window: time to first token and inter-token latency quantiles
     (0 when no observation fell in the window; samples says how many).
@@ -1391,6 +1409,8 @@ class LatencySnapshot(_message.Message):
     """Means over the requests whose phase ended in the window."""
     prefill_mean_seconds: _builtins.float
     decode_mean_seconds: _builtins.float
+    kv_transfer_mean_seconds: _builtins.float
+    """The mean kv_transfer stage of requests that moved KV through a connector (0: none did)."""
     def __init__(
         self,
         *,
@@ -1403,10 +1423,11 @@ class LatencySnapshot(_message.Message):
         queue_mean_seconds: _builtins.float = ...,
         prefill_mean_seconds: _builtins.float = ...,
         decode_mean_seconds: _builtins.float = ...,
+        kv_transfer_mean_seconds: _builtins.float = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_mean_seconds", b"decode_mean_seconds", "inter_token_p50_seconds", b"inter_token_p50_seconds", "inter_token_p99_seconds", b"inter_token_p99_seconds", "inter_token_samples", b"inter_token_samples", "prefill_mean_seconds", b"prefill_mean_seconds", "queue_mean_seconds", b"queue_mean_seconds", "time_to_first_token_p50_seconds", b"time_to_first_token_p50_seconds", "time_to_first_token_p99_seconds", b"time_to_first_token_p99_seconds", "time_to_first_token_samples", b"time_to_first_token_samples"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["decode_mean_seconds", b"decode_mean_seconds", "inter_token_p50_seconds", b"inter_token_p50_seconds", "inter_token_p99_seconds", b"inter_token_p99_seconds", "inter_token_samples", b"inter_token_samples", "kv_transfer_mean_seconds", b"kv_transfer_mean_seconds", "prefill_mean_seconds", b"prefill_mean_seconds", "queue_mean_seconds", b"queue_mean_seconds", "time_to_first_token_p50_seconds", b"time_to_first_token_p50_seconds", "time_to_first_token_p99_seconds", b"time_to_first_token_p99_seconds", "time_to_first_token_samples", b"time_to_first_token_samples"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

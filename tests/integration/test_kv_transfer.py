@@ -154,3 +154,52 @@ def test_prompts_shorter_than_one_block_seen_again_do_not_take_the_worker_down(
     # Each was computed, never "loaded" from a match shorter than a block; the worker still serves.
     assert server.health() == "SERVING"
     assert complete(server, "kv-after-short").finish_reason == "length"
+
+
+def test_each_requests_kv_transfer_is_a_stage_inside_its_prefill_with_the_tokens_and_bytes_moved(
+    pd_server: tuple[ServerProcess, Path],
+) -> None:
+    """The ExampleConnector saves a new prompt's KV in the steps that compute it and loads a stored one inside the
+    step that first computes the request: both are the kv_transfer stage, inside prefill, and the stages that tile
+    the request still add up to its end-to-end time."""
+    server, _ = pd_server
+    prompt = LONG_PROMPT.replace("Which street", "Which colour")  # not stored yet
+    request = build_request(prompt=prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
+    with server.client() as client:
+        bytes_per_token = client.model_info().kv_cache_bytes_per_token
+        loaded_before = server.sample_sum("phasescope_kv_transfer_tokens_total", direction="loaded")
+        external_before = external_tokens(server)
+        bytes_before = server.sample_sum("phasescope_kv_transfer_bytes_total")
+        flush_prefix_cache(server)  # the earlier tests' prompts share its first blocks
+        first = client.generate(request)
+        flush_prefix_cache(server)
+        second = client.generate(request)
+    prompt_tokens = first.usage.prompt_tokens
+    saved, loaded = first.timings, second.timings
+    # First seen: computed and saved, nothing loaded.
+    assert (saved.kv_loaded_tokens, saved.kv_saved_tokens) == (0, prompt_tokens)
+    # Seen again: the stored whole blocks loaded (vLLM's own count agrees), the rest computed, and saved in turn.
+    assert loaded.kv_loaded_tokens == (prompt_tokens - 2) // BLOCK_TOKENS * BLOCK_TOKENS >= 2 * BLOCK_TOKENS
+    assert second.usage.cached_prompt_tokens == loaded.kv_loaded_tokens
+    assert loaded.kv_saved_tokens in (0, prompt_tokens - loaded.kv_loaded_tokens)
+    for timings in (saved, loaded):
+        assert 0.0 < timings.kv_transfer_seconds <= timings.prefill_seconds
+        assert timings.kv_transfer_bytes == (timings.kv_loaded_tokens + timings.kv_saved_tokens) * bytes_per_token
+        tiled = sum(
+            getattr(timings, f"{stage}_seconds") for stage in ("frontend", "intake", "queue", "prefill", "decode")
+        )
+        assert tiled == pytest.approx(timings.e2e_seconds, abs=1e-6)
+    assert list(second.token_ids) == list(first.token_ids)
+    # The same in the series, beside vLLM's count of the tokens that came through the connector.
+    deadline = time.monotonic() + 10
+    while external_tokens(server) - external_before < loaded.kv_loaded_tokens and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert (
+        server.sample_sum("phasescope_kv_transfer_tokens_total", direction="loaded") - loaded_before
+        == external_tokens(server) - external_before
+        == loaded.kv_loaded_tokens
+    )
+    assert server.sample_sum("phasescope_kv_transfer_bytes_total") - bytes_before == pytest.approx(
+        saved.kv_transfer_bytes + loaded.kv_transfer_bytes
+    )
+    assert server.sample_sum("phasescope_request_phase_seconds_count", phase="kv_transfer") >= 2

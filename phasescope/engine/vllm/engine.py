@@ -38,7 +38,7 @@ from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.request.phases import EngineTimestamps
+from phasescope.telemetry.request.phases import EngineTimestamps, KvTransferFigures
 from phasescope.telemetry.step.records import StepForwarder
 
 logger = logging.getLogger(__name__)
@@ -606,6 +606,9 @@ class VllmEngine:
                         "so that its supervisor restarts it"
                     )
                 stats = output.metrics
+                # The connector's answer (a prefill worker's, for the decode worker), with the last output, and
+                # what phasescope's connector moved for the request.
+                kv_transfer_params, transfer = KvTransferFigures.from_params(output.kv_transfer_params)
                 stamps = None
                 if stats is not None:
                     stamps = EngineTimestamps(
@@ -613,6 +616,7 @@ class VllmEngine:
                         scheduled_ts=stats.scheduled_ts,
                         first_token_ts=stats.first_token_ts,
                         last_token_ts=stats.last_token_ts,
+                        transfer=transfer,
                     )
                 if engine_index is None:
                     # Which engine core serves it is known once the request reached one.
@@ -635,8 +639,7 @@ class VllmEngine:
                     if prompt_logprobs is not None and output.prompt_logprobs
                     else (),
                     **_speculation(completion.spec_decode_metrics),
-                    # The connector's answer (a prefill worker's, for the decode worker), with the last output.
-                    kv_transfer_params=output.kv_transfer_params or None,
+                    kv_transfer_params=kv_transfer_params,
                 )
         except (asyncio.CancelledError, GeneratorExit):
             # Our caller closed these steps (a client gone, a sample failed) or was cancelled: the engine

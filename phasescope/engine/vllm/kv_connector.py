@@ -8,19 +8,107 @@ below zero, is refused (0 tokens, nothing to load): vLLM allocates, loads and co
 ExampleConnector, asked again for a prompt shorter than one block (128 tokens on CPU), answered a match of a
 negative number of tokens, and the engine died with `IndexError: index out of range in self`
 (docs/reliability.md). Such a prompt is computed, as it would be without a connector.
+
+**Each request's transfer, timed.** The engine stamps no transfer: this connector times it where it happens and
+hands the figures back with the request's last output, in its `kv_transfer_params` under `KV_TRANSFER_PARAMS_KEY`
+(the front end takes them out before a client sees the parameters: `KvTransferFigures.from_params`).
+- A load that runs inside a step (the ExampleConnector's: `start_load_kv` and `wait_for_layer_load`) is timed by
+  the worker around those calls and reported to the scheduler with the step's output
+  (`build_connector_worker_meta`); the step's load time is each request's that loaded in it.
+- A load that runs apart from the steps (NIXL's: the request waits in WAITING_FOR_REMOTE_KVS) spans the scheduler
+  pass that started it to the step whose workers report it received (`finished_recving`).
+- A save (`save_kv_layer`, `wait_for_save`) is timed by the worker the same way; the step's save time is each
+  request's whose prompt tokens the step computed. A connector that sends after the request has ended (NIXL's
+  producer) is not in the request's figures: its answer has left by then.
+The tokens are the match vLLM accepted (loaded) and the prompt tokens computed in saving steps (saved); the bytes
+are those tokens times the KV cache's bytes per token (every layer's page ÷ the block size).
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorWorkerMetadata
+from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector, MultiKVConnectorMetadata
+
+from phasescope.telemetry.request.phases import KV_TRANSFER_PARAMS_KEY
 
 if TYPE_CHECKING:
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 CONNECTOR_NAME = "PhasescopeConnector"
 MODULE_PATH = __name__
+
+
+@dataclass(slots=True)
+class _Timer:
+    """Time spent in one kind of KV move (load or save) during one worker step, on the engine's monotonic clock."""
+
+    start: float = 0.0
+    seconds: float = 0.0
+
+    def add(self, start: float, end: float) -> None:
+        self.start = self.start or start
+        self.seconds += end - start
+
+
+@dataclass(slots=True)
+class StepTransferMetadata(KVConnectorWorkerMetadata):
+    """What a worker spent loading and saving KV in one step, with the user's connector's own worker metadata.
+    Workers of one engine (tensor parallel) move their shares at the same time: the slowest one's time is the
+    step's."""
+
+    step: int = -1
+    """The scheduler's number for the step (`StepMetadata.step`)."""
+    children: Any = None
+    load: _Timer = field(default_factory=_Timer)
+    save: _Timer = field(default_factory=_Timer)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        assert isinstance(other, StepTransferMetadata)
+        children = self.children if other.children is None else other.children
+        if self.children is not None and other.children is not None:
+            children = self.children.aggregate(other.children)
+        load, save = (
+            _Timer(min(x.start, y.start) or max(x.start, y.start), max(x.seconds, y.seconds))
+            for x, y in ((self.load, other.load), (self.save, other.save))
+        )
+        return StepTransferMetadata(self.step, children, load, save)
+
+
+@dataclass
+class StepMetadata(MultiKVConnectorMetadata):
+    """vLLM's metadata for the user's connector, numbered, so a worker's report names the step it is about."""
+
+    step: int = -1
+
+
+@dataclass(slots=True)
+class RequestTransfer:
+    """One request's KV moves so far (scheduler side)."""
+
+    request: Request
+    load: _Timer = field(default_factory=_Timer)
+    save: _Timer = field(default_factory=_Timer)
+    loaded_tokens: int = 0
+    saved_tokens: int = 0
+    loading_async: bool = False
+
+    def figures(self, bytes_per_token: float) -> dict[str, float]:
+        """What the front end reads (`KvTransferFigures.from_params`)."""
+        return {
+            "load_start": self.load.start,
+            "load_seconds": self.load.seconds,
+            "save_start": self.save.start,
+            "save_seconds": self.save.seconds,
+            "loaded_tokens": self.loaded_tokens,
+            "saved_tokens": self.saved_tokens,
+            "bytes": (self.loaded_tokens + self.saved_tokens) * bytes_per_token,
+        }
 
 
 def wrapped_kv_transfer_config(config: dict[str, Any]) -> dict[str, Any]:
@@ -42,8 +130,57 @@ class PhasescopeConnector(MultiConnector):
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         self._block_size = int(vllm_config.cache_config.block_size)
+        self._bytes_per_token = _kv_bytes_per_token(kv_cache_config)
+        # Scheduler side: each request the connector was asked about, until it ends.
+        self._transfers: dict[str, RequestTransfer] = {}
+        # Per step scheduled and not yet reported, by its number: the requests loading in it, and those whose
+        # prompt it computes (the tokens).
+        self._steps: dict[int, tuple[list[str], dict[str, int]]] = {}
+        self._next_step = 0
+        self._saves = bool(vllm_config.kv_transfer_config.is_kv_producer)
+        # The figures handed out with requests that ended in the update now running (`request_finished`).
+        self._handed: list[tuple[dict[str, Any], RequestTransfer]] = []
+        # Worker side: the step running and its moves.
+        self._step = -1
+        self._load = _Timer()
+        self._save = _Timer()
+
+    # Worker side: each move timed where it runs.
+
+    def bind_connector_metadata(self, connector_metadata: Any) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        self._step = getattr(connector_metadata, "step", -1)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        start = time.monotonic()
+        super().start_load_kv(forward_context, **kwargs)
+        self._load.add(start, time.monotonic())
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        start = time.monotonic()
+        super().wait_for_layer_load(layer_name)
+        self._load.add(start, time.monotonic())
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        start = time.monotonic()
+        super().save_kv_layer(layer_name, kv_layer, attn_metadata, **kwargs)
+        self._save.add(start, time.monotonic())
+
+    def wait_for_save(self) -> None:
+        start = time.monotonic()
+        super().wait_for_save()  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
+        self._save.add(start, time.monotonic())
+
+    def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
+        children = super().build_connector_worker_meta()
+        load, save = self._load, self._save
+        self._load, self._save = _Timer(), _Timer()
+        return StepTransferMetadata(self._step, children, load, save)
+
+    # Scheduler side.
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        transfer = self._transfers.setdefault(request.request_id, RequestTransfer(request))
         tokens, load_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if tokens is None:  # the connector is still looking
             return None, False
@@ -51,4 +188,105 @@ class PhasescopeConnector(MultiConnector):
             # Nothing, or less than one whole block (a connector can even answer a negative count): refused.
             self._requests_to_connector.pop(request.request_id, None)
             return 0, False
+        if load_async:
+            # The request now waits for its KV apart from the steps, from this scheduler pass on.
+            transfer.load, transfer.loading_async = _Timer(time.monotonic()), True
         return tokens, load_async
+
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        transfer = self._transfers.get(request.request_id)
+        if transfer is not None and num_external_tokens > 0:
+            transfer.loaded_tokens = num_external_tokens  # what vLLM took of the match
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
+        self._handed.clear()  # those outputs have left
+        loading: list[str] = []
+        prompt: dict[str, int] = {}
+        computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        computed.update(zip(cached.req_ids, cached.num_computed_tokens, strict=False))
+        for request_id, scheduled in scheduler_output.num_scheduled_tokens.items():
+            transfer = self._transfers.get(request_id)
+            if transfer is None:
+                continue
+            before = computed.get(request_id, transfer.request.num_computed_tokens)
+            if transfer.loaded_tokens and not transfer.loading_async and not transfer.load.start:
+                loading.append(request_id)  # its KV loads in this step, before the forward pass
+            prompt_tokens = min(scheduled, transfer.request.num_prompt_tokens - before)
+            if prompt_tokens > 0 and self._saves:
+                prompt[request_id] = prompt_tokens
+        children = super().build_connector_meta(scheduler_output)
+        step = self._next_step
+        self._next_step += 1
+        self._steps[step] = (loading, prompt)
+        return StepMetadata(children.metadata, children.extra_async_saves, step=step)
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        step = connector_output.kv_connector_worker_meta
+        if isinstance(step, StepTransferMetadata):
+            connector_output.kv_connector_worker_meta = step.children
+            try:
+                super().update_connector_output(connector_output)
+            finally:
+                connector_output.kv_connector_worker_meta = step
+            for number in [number for number in self._steps if number <= step.step]:
+                accounted = self._steps.pop(number)  # a step before it that never reported moved nothing
+                if number == step.step:
+                    self._account(step, *accounted)
+        else:
+            super().update_connector_output(connector_output)
+        now = time.monotonic()
+        for request_id in connector_output.finished_recving or ():
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and transfer.loading_async:
+                transfer.load.seconds = now - transfer.load.start
+        # The figures of a request that ended in this update take its last step's moves: its output has not
+        # left the engine core yet.
+        for params, transfer in self._handed:
+            params[KV_TRANSFER_PARAMS_KEY] = transfer.figures(self._bytes_per_token)
+        self._handed.clear()
+
+    def _account(self, step: StepTransferMetadata, loading: list[str], prompt: dict[str, int]) -> None:
+        for request_id in loading:
+            transfer = self._transfers.get(request_id)
+            if transfer is not None and step.load.seconds > 0.0:
+                transfer.load = _Timer(step.load.start, step.load.seconds)
+        if step.save.seconds > 0.0:
+            for request_id, tokens in prompt.items():
+                transfer = self._transfers.get(request_id)
+                if transfer is not None:
+                    transfer.save.add(step.save.start, step.save.start + step.save.seconds)
+                    transfer.saved_tokens += tokens
+
+    def request_finished(self, request: Request, blocks: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished(request, blocks)
+        return delay, self._with_figures(request, params)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        return delay, self._with_figures(request, params)
+
+    def _with_figures(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
+        transfer = self._transfers.pop(request.request_id, None)
+        if params is not None and KV_TRANSFER_PARAMS_KEY in params:
+            return params  # already added (request_finished_all_groups can call request_finished)
+        if transfer is None:
+            return params
+        params = {**(params or {}), KV_TRANSFER_PARAMS_KEY: transfer.figures(self._bytes_per_token)}
+        self._handed.append((params, transfer))
+        return params
+
+
+def _kv_bytes_per_token(kv_cache_config: Any) -> float:
+    """The KV cache's bytes per token over every layer (0.0 when the connector is not told the cache's shape)."""
+    if kv_cache_config is None:
+        return 0.0
+    return float(
+        sum(
+            group.kv_cache_spec.page_size_bytes * len(group.layer_names) / group.kv_cache_spec.block_size
+            for group in kv_cache_config.kv_cache_groups
+        )
+    )

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import operator
 from dataclasses import dataclass
-from typing import get_args
+from typing import Any, get_args
 
 from phasescope.telemetry.errors import log_rate_limited
 from phasescope.telemetry.request.stages import (
@@ -25,6 +25,7 @@ from phasescope.telemetry.request.stages import (
     DECODE,
     FRONTEND,
     INTAKE,
+    KV_TRANSFER,
     PREFILL,
     QUEUE,
     STAGES,
@@ -52,6 +53,60 @@ class EngineTimestamps:
     """The first output token was produced."""
     last_token_ts: float
     """The latest output token was produced."""
+    transfer: KvTransferFigures | None = None
+    """On the request's last step, with a KV connector: what the connector moved for it."""
+
+    @property
+    def kv_transfer_start(self) -> float:
+        return self.transfer.start if self.transfer is not None else 0.0
+
+    @property
+    def kv_transfer_end(self) -> float:
+        return self.transfer.start + self.transfer.seconds if self.transfer is not None else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class KvTransferFigures:
+    """What phasescope's KV connector moved for one request on this worker (`phasescope.engine.vllm.kv_connector`):
+    the KV another worker computed, loaded, and the KV computed here for another, saved."""
+
+    start: float
+    """Where the first move began (monotonic)."""
+    seconds: float
+    """The moves' own time: loading and saving."""
+    loaded_tokens: int
+    """Prompt tokens whose KV came through the connector (vLLM's `external_kv_transfer` source)."""
+    saved_tokens: int
+    """Prompt tokens whose KV this worker computed and saved through the connector."""
+    bytes: float
+    """KV bytes moved, both ways (tokens × the KV cache's bytes per token)."""
+
+    @property
+    def moved(self) -> bool:
+        return self.seconds > 0.0 or self.loaded_tokens > 0 or self.saved_tokens > 0
+
+    @classmethod
+    def from_params(cls, params: dict[str, Any] | None) -> tuple[dict[str, Any] | None, KvTransferFigures | None]:
+        """A request's last `kv_transfer_params` as the engine core returns them: the connector's own parameters
+        (None when there are none) and phasescope's connector's figures, which it adds under `PARAMS_KEY`."""
+        if not params or KV_TRANSFER_PARAMS_KEY not in params:
+            return params or None, None
+        rest = {key: value for key, value in params.items() if key != KV_TRANSFER_PARAMS_KEY}
+        figures = params[KV_TRANSFER_PARAMS_KEY]
+        starts = [start for start in (figures["load_start"], figures["save_start"]) if start > 0.0]
+        transfer = cls(
+            start=min(starts, default=0.0),
+            seconds=figures["load_seconds"] + figures["save_seconds"],
+            loaded_tokens=int(figures["loaded_tokens"]),
+            saved_tokens=int(figures["saved_tokens"]),
+            bytes=float(figures["bytes"]),
+        )
+        return rest or None, transfer
+
+
+KV_TRANSFER_PARAMS_KEY = "phasescope_kv_transfer"
+"""Where phasescope's KV connector puts a request's figures in its last output's `kv_transfer_params` (the front
+end takes them out before anyone sees the parameters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +157,14 @@ class PhaseTimings:
     """Under speculative decoding, once the sample has ended: the tokens its drafter proposed."""
     speculative_accepted_tokens: int = 0
     """Under speculative decoding, once the sample has ended: the drafted tokens its verify steps kept."""
+    kv_transfer_seconds: float | None = None
+    """With a KV connector, once the request has ended: the time the connector spent moving its KV (`stages`)."""
+    kv_loaded_tokens: int = 0
+    """With a KV connector, once the request has ended: prompt tokens whose KV was loaded, not computed."""
+    kv_saved_tokens: int = 0
+    """With a KV connector, once the request has ended: prompt tokens whose KV was saved for another worker."""
+    kv_transfer_bytes: float = 0.0
+    """With a KV connector, once the request has ended: the KV bytes moved, both ways."""
 
     def seconds(self, stage: Stage) -> float | None:
         """The stage's duration (`stages.STAGES`); None when the request never reached or left it."""
@@ -135,6 +198,7 @@ def _interval(name: str, start: float, end: float) -> float | None:
 # The stamps a stage can open or close on, in the order `derive_phase_timings` reads them.
 _STAMP_ORDER: tuple[Stamp, ...] = (
     "entry", "handed_to_engine", "ended", "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts",
+    "kv_transfer_start", "kv_transfer_end",
 )  # fmt: skip
 _engine_stamps = operator.attrgetter(*_STAMP_ORDER[3:])
 # Per stage: its name, where its two stamps are in that order, and whether it exists only without a first token.
@@ -159,7 +223,7 @@ def derive_phase_timings(
     if engine is not None:
         stamps = (front.entry, front.handed_to_engine, front.ended, *_engine_stamps(engine))
     else:
-        stamps = (front.entry, front.handed_to_engine, front.ended, 0.0, 0.0, 0.0, 0.0)
+        stamps = (front.entry, front.handed_to_engine, front.ended, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0)
     seconds: dict[str, float | None] = {}
     for name, start_at, end_at, only_without_first_token in _STAGE_STAMPS:
         if only_without_first_token and first_token > 0.0:
@@ -167,6 +231,8 @@ def derive_phase_timings(
         start, end = stamps[start_at], stamps[end_at]
         seconds[name] = end - start if start > 0.0 and end >= start else _interval(name, start, end)
     decode = seconds[DECODE.name]
+    # What a KV connector moved for the request (on its last step; nothing moved is no transfer).
+    transfer = engine.transfer if engine is not None and engine.transfer is not None and engine.transfer.moved else None
     # TTFT = first token − handler entry; E2E = last token − handler entry. Both include
     # the frontend and intake stages (vLLM's own start later, at its arrival stamp).
     ttft = _interval("time to first token", front.entry, first_token)
@@ -197,6 +263,10 @@ def derive_phase_timings(
         decode_stalled_by_prefill_seconds=(interference or NO_INTERFERENCE).stalled_seconds if decoded else None,
         decode_prefill_interference_seconds=(interference or NO_INTERFERENCE).extra_seconds if decoded else None,
         abandoned_seconds=seconds.get(ABANDONED.name),
+        kv_transfer_seconds=seconds[KV_TRANSFER.name] if transfer is not None else None,
+        kv_loaded_tokens=transfer.loaded_tokens if transfer is not None else 0,
+        kv_saved_tokens=transfer.saved_tokens if transfer is not None else 0,
+        kv_transfer_bytes=transfer.bytes if transfer is not None else 0.0,
     )
 
 

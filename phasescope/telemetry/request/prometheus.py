@@ -169,6 +169,19 @@ class PrometheusRequestObserver:
             ["model"],
             registry=registry,
         )
+        self.kv_transfer_tokens = Counter(
+            "phasescope_kv_transfer_tokens",
+            "Prompt tokens whose KV cache the worker's KV connector moved, by direction: loaded (computed by "
+            "another worker: vLLM's external_kv_transfer source) or saved (computed here for another).",
+            ["model", "direction"],
+            registry=registry,
+        )
+        self.kv_transfer_bytes = Counter(
+            "phasescope_kv_transfer_bytes",
+            "KV cache bytes the worker's KV connector moved for requests, both directions.",
+            ["model"],
+            registry=registry,
+        )
         self.requests_rejected = Counter(
             "phasescope_requests_rejected",
             "Requests refused before reaching the engine, by reason.",
@@ -226,6 +239,13 @@ class PrometheusRequestObserver:
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
             self.without_first_token.labels(model, record.code).inc()
+        timings = record.timings
+        if timings.kv_loaded_tokens:
+            self.kv_transfer_tokens.labels(model, "loaded").inc(timings.kv_loaded_tokens)
+        if timings.kv_saved_tokens:
+            self.kv_transfer_tokens.labels(model, "saved").inc(timings.kv_saved_tokens)
+        if timings.kv_transfer_bytes:
+            self.kv_transfer_bytes.labels(model).inc(timings.kv_transfer_bytes)
         # The shared stages were observed with the first token, if one came.
         self._observe_sequence(model, record.timings, record.produced_first_token, exemplar, shared=not answered)
         # With n samples, each later one's own sequence too (its decode, duration, interference).

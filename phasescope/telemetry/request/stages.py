@@ -7,7 +7,8 @@ and `PhaseTimings` holds its seconds as `<name>_seconds`.
 
 The stamps are on one monotonic clock (`phases` says why): `entry`, `handed_to_engine` and
 `ended` are the front end's readings, `queued_ts`, `scheduled_ts`, `first_token_ts` and
-`last_token_ts` the engine core's.
+`last_token_ts` the engine core's, and `kv_transfer_start` and `kv_transfer_end` phasescope's KV connector's
+inside the engine core (`phasescope.engine.vllm.kv_connector`).
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 FrontendStamp = Literal["entry", "handed_to_engine", "ended"]
-EngineStamp = Literal["queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts"]
+EngineStamp = Literal[
+    "queued_ts", "scheduled_ts", "first_token_ts", "last_token_ts", "kv_transfer_start", "kv_transfer_end"
+]
 Stamp = FrontendStamp | EngineStamp
 
 
@@ -34,6 +37,8 @@ class Stage:
     """Observed for a request that ended before its first token (the engine stamped nothing)."""
     only_without_first_token: bool = False
     """Exists only for a request that ended before its first token."""
+    nested: bool = False
+    """Lies inside another stage (queue or prefill) instead of after it: not one of those that tile a request."""
     seconds_field: str = field(init=False)
     """`<name>_seconds`: where `PhaseTimings` and `Timings` hold it (made once: it is read many times a request)."""
 
@@ -77,8 +82,23 @@ ABANDONED = Stage(
     only_without_first_token=True,
 )
 
-STAGES: tuple[Stage, ...] = (FRONTEND, INTAKE, QUEUE, PREFILL, DECODE, ABANDONED)
-"""In the order a request passes through them (abandoned stands for intake, queue and prefill)."""
+KV_TRANSFER = Stage(
+    "kv_transfer",
+    "kv_transfer_start",
+    "kv_transfer_end",
+    "the KV connector moving this request's KV cache: loading what another worker computed (inside queue when "
+    "the connector loads apart from the steps, inside prefill when it loads in the step) and saving what this "
+    "worker computed for another (inside prefill); its seconds are the moves' own time, beginning where the "
+    "first began",
+    at_first_token=False,
+    nested=True,
+)
 
-ANSWERED: tuple[Stage, ...] = tuple(stage for stage in STAGES if not stage.only_without_first_token)
+STAGES: tuple[Stage, ...] = (FRONTEND, INTAKE, QUEUE, PREFILL, DECODE, ABANDONED, KV_TRANSFER)
+"""In the order a request passes through them (abandoned stands for intake, queue and prefill; kv_transfer lies
+inside queue or prefill)."""
+
+ANSWERED: tuple[Stage, ...] = tuple(
+    stage for stage in STAGES if not stage.only_without_first_token and not stage.nested
+)
 """The stages of a request that got its first token: they tile it from handler entry to its last token."""

@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode
 
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings, stamp_value
-from phasescope.telemetry.request.stages import DECODE, STAGES
+from phasescope.telemetry.request.stages import DECODE, KV_TRANSFER, STAGES
 
 INSTRUMENTATION_NAME = "phasescope"
 
@@ -85,8 +85,19 @@ def _no_attributes(timings: PhaseTimings) -> dict[str, float | None]:
     return {}
 
 
+def _kv_transfer_attributes(timings: PhaseTimings) -> dict[str, float | None]:
+    return {
+        "phasescope.kv_loaded_tokens": timings.kv_loaded_tokens,
+        "phasescope.kv_saved_tokens": timings.kv_saved_tokens,
+        "phasescope.kv_transfer_bytes": timings.kv_transfer_bytes,
+    }
+
+
 # What a stage's span carries beside its own seconds.
-_EXTRA_ATTRIBUTES: dict[str, Callable[[PhaseTimings], dict[str, float | None]]] = {DECODE.name: _decode_attributes}
+_EXTRA_ATTRIBUTES: dict[str, Callable[[PhaseTimings], dict[str, float | None]]] = {
+    DECODE.name: _decode_attributes,
+    KV_TRANSFER.name: _kv_transfer_attributes,
+}
 
 
 class TracingObserver:
@@ -172,12 +183,14 @@ class TracingObserver:
 
         context = trace.set_span_in_context(span)
         starts = [wall(stamp_value(stage.start, front, stamps)) for stage in STAGES]
+        # The stages that follow one (kv_transfer lies inside queue or prefill, after nothing).
+        later = [start if not stage.nested else None for start, stage in zip(starts, STAGES, strict=True)]
         for index, stage in enumerate(STAGES):
             seconds = timings.seconds(stage)
             phase_start = starts[index]
             if phase_start is None:
                 continue  # never reached
-            if seconds is None and (stage.only_without_first_token or any(starts[index + 1 :])):
+            if seconds is None and (stage.only_without_first_token or any(later[index + 1 :])):
                 # Not this request's (abandoned, once a first token came), or never left while a
                 # later stage began (abandoned stands for intake, queue and prefill when the
                 # engine stamped nothing).

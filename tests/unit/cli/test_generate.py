@@ -69,6 +69,9 @@ def test_the_timing_line_lists_each_stage_then_the_request_figures() -> None:
         "frontend 6.3 ms | intake 1.7 ms | queue 0.0 ms | prefill 278.8 ms | decode 722.3 ms | "
         "TTFT 286.9 ms | e2e 1009.1 ms | TPOT 103.2 ms | decode 9.7 tok/s"
     )
+    # A decode worker's request, its KV loaded through the connector inside its prefill.
+    timings.kv_transfer_seconds, timings.kv_loaded_tokens = 0.041, 768
+    assert "| decode 722.3 ms | kv_transfer 41.0 ms | KV loaded 768 saved 0 tokens | TTFT" in format_timings(timings)
 
 
 def test_logprobs_are_asked_for_and_printed_one_token_a_line() -> None:

@@ -176,6 +176,10 @@ def test_latency_line_gives_quantiles_with_samples_and_phase_means() -> None:
     empty.latency.Clear()
     assert "TTFT — · ITL —" in line_with(frame(empty), "latency")
     assert "mean queue — · prefill — · decode —" in frame(empty)  # no request ended a phase in the window
+    assert "kv_transfer" not in frame()  # no KV connector moved anything
+    moved = snapshot()
+    moved.latency.kv_transfer_mean_seconds = 0.041
+    assert "decode 3.01 s · kv_transfer 41 ms" in frame(moved)
 
 
 def test_request_row_shows_phase_age_tokens_rate_and_interference() -> None:

@@ -2,7 +2,15 @@ import logging
 
 import pytest
 
-from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps, PhaseRecord, derive_phase_timings
+from phasescope.telemetry.request.phases import (
+    KV_TRANSFER_PARAMS_KEY,
+    EngineTimestamps,
+    FrontendTimestamps,
+    KvTransferFigures,
+    PhaseRecord,
+    derive_phase_timings,
+)
+from phasescope.telemetry.request.stages import ANSWERED, KV_TRANSFER
 from phasescope.telemetry.step.interference import Interference
 
 # Every reading is one monotonic clock (~1000 s); the wall clock is read once, at entry.
@@ -112,3 +120,50 @@ def test_prefill_interference_is_reported_for_a_request_that_decoded_only() -> N
     single = derive_phase_timings(front(99.9), EngineTimestamps(100.0, 100.1, 100.5, 100.5), 1, Interference(0.4, 0.3))
     assert single.decode_stalled_by_prefill_seconds is None
     assert single.decode_prefill_interference_seconds is None
+
+
+def test_a_kv_transfer_is_its_own_stage_inside_prefill_with_the_tokens_and_bytes_moved() -> None:
+    # A decode worker loaded 768 tokens' KV inside the step that first computed the request: 0.125 s of its
+    # 0.5 s prefill. The stages that tile the request are unchanged; the transfer is inside one of them.
+    transfer = KvTransferFigures(start=1000.6, seconds=0.125, loaded_tokens=768, saved_tokens=0, bytes=768 * 9216.0)
+    engine = EngineTimestamps(1000.0, 1000.5, 1001.0, 1003.0, transfer=transfer)
+    timings = derive_phase_timings(front(999.990, handed=999.995), engine, 5)
+    assert timings.kv_transfer_seconds == pytest.approx(0.125)
+    assert (timings.kv_loaded_tokens, timings.kv_saved_tokens, timings.kv_transfer_bytes) == (768, 0, 768 * 9216.0)
+    assert timings.prefill_seconds == pytest.approx(0.5)
+    tiled = sum(timings.seconds(stage) or 0.0 for stage in ANSWERED)
+    assert tiled == pytest.approx(timings.e2e_seconds)
+    assert KV_TRANSFER not in ANSWERED
+
+
+def test_without_a_kv_transfer_there_is_no_stage_and_nothing_moved() -> None:
+    nothing = KvTransferFigures(start=0.0, seconds=0.0, loaded_tokens=0, saved_tokens=0, bytes=0.0)
+    for engine in (stamps(1000.0, 1000.5, 1001.0, 1003.0), EngineTimestamps(1000.0, 1000.5, 1001.0, 1003.0, nothing)):
+        timings = derive_phase_timings(front(999.990, handed=999.995), engine, 5)
+        assert timings.kv_transfer_seconds is None
+        assert (timings.kv_loaded_tokens, timings.kv_saved_tokens, timings.kv_transfer_bytes) == (0, 0, 0.0)
+
+
+def test_the_connectors_figures_come_out_of_the_params_the_client_sees() -> None:
+    params = {
+        "remote_host": "10.0.0.7",
+        KV_TRANSFER_PARAMS_KEY: {
+            "load_start": 0.0, "load_seconds": 0.0, "save_start": 50.25, "save_seconds": 0.5,
+            "loaded_tokens": 0, "saved_tokens": 857, "bytes": 857 * 9216.0,
+        },
+    }  # fmt: skip
+    rest, transfer = KvTransferFigures.from_params(params)
+    assert rest == {"remote_host": "10.0.0.7"}
+    assert transfer == KvTransferFigures(
+        start=50.25, seconds=0.5, loaded_tokens=0, saved_tokens=857, bytes=857 * 9216.0
+    )
+    # Only phasescope's figures (the ExampleConnector answers nothing): no parameters for the client.
+    assert KvTransferFigures.from_params({KV_TRANSFER_PARAMS_KEY: params[KV_TRANSFER_PARAMS_KEY]})[0] is None
+    # Another worker's connector, or none: the parameters as they came.
+    assert KvTransferFigures.from_params({"x": 1}) == ({"x": 1}, None)
+    assert KvTransferFigures.from_params(None) == (None, None)
+    # A load and a save add up; the stage begins where the first began.
+    both = {**params[KV_TRANSFER_PARAMS_KEY], "load_start": 50.0, "load_seconds": 0.25}  # type: ignore[dict-item]
+    _, transfer = KvTransferFigures.from_params({KV_TRANSFER_PARAMS_KEY: both})
+    assert transfer is not None
+    assert (transfer.start, transfer.seconds) == (50.0, 0.75)

@@ -1,3 +1,4 @@
+import dataclasses
 from collections.abc import Callable
 
 import pytest
@@ -220,3 +221,21 @@ def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(reg
     assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 7
     assert registry.get_sample_value("phasescope_tokens_total", {"model": "other", "phase": "decode"}) == 1
     assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "prefill"}) == 8
+
+
+def test_a_kv_transfer_is_observed_as_its_stage_with_the_tokens_and_bytes_moved(registry: CollectorRegistry) -> None:
+    observer = PrometheusRequestObserver(registry)
+    decode_worker = dataclasses.replace(TIMINGS, kv_transfer_seconds=0.04, kv_loaded_tokens=768, kv_transfer_bytes=7e6)
+    prefill_worker = dataclasses.replace(TIMINGS, kv_transfer_seconds=0.02, kv_saved_tokens=857, kv_transfer_bytes=8e6)
+    for timings in (decode_worker, prefill_worker, TIMINGS):
+        observer.request_started(MODEL)
+        observer.request_finished(record(timings=timings))
+
+    def value(name: str, **labels: str) -> float | None:
+        return registry.get_sample_value(name, {"model": MODEL, **labels})
+
+    assert value("phasescope_request_phase_seconds_count", phase="kv_transfer") == 2  # not the third: none moved
+    assert value("phasescope_request_phase_seconds_sum", phase="kv_transfer") == pytest.approx(0.06)
+    assert value("phasescope_kv_transfer_tokens_total", direction="loaded") == 768
+    assert value("phasescope_kv_transfer_tokens_total", direction="saved") == 857
+    assert value("phasescope_kv_transfer_bytes_total") == 15e6

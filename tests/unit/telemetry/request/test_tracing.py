@@ -1,4 +1,5 @@
 import asyncio
+import dataclasses
 import threading
 
 import pytest
@@ -10,6 +11,7 @@ from opentelemetry.trace import StatusCode
 from phasescope.telemetry.request.phases import (
     EngineTimestamps,
     FrontendTimestamps,
+    KvTransferFigures,
     PhaseRecord,
     RequestParameters,
     RequestText,
@@ -187,3 +189,29 @@ def test_tracing_off_builds_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
     threads_before = threading.active_count()
     assert build_tracing(Settings()) is None
     assert threading.active_count() == threads_before
+
+
+def test_a_kv_transfer_is_a_span_inside_the_request_with_what_it_moved(
+    traced: tuple[TracerProvider, InMemorySpanExporter],
+) -> None:
+    provider, exporter = traced
+    transfer = KvTransferFigures(start=100.3, seconds=0.125, loaded_tokens=768, saved_tokens=0, bytes=7077888.0)
+    engine = dataclasses.replace(STAMPS, transfer=transfer)
+    finish_under_server_span(
+        provider, TracingObserver(provider), record(stamps=engine, timings=derive_phase_timings(FRONT, engine, 6))
+    )
+    spans = by_name(exporter.get_finished_spans())
+    request, prefill, kv = spans["chat tiny"], spans["prefill"], spans["kv_transfer"]
+    assert kv.parent is not None
+    assert kv.parent.span_id == request.context.span_id
+    assert kv.start_time == round((100.3 + OFFSET) * 1e9)
+    assert ((kv.end_time or 0) - (kv.start_time or 0)) / 1e9 == pytest.approx(0.125, abs=1e-6)
+    # Inside prefill, which still ends at the first token.
+    assert (prefill.start_time or 0) <= (kv.start_time or 0) < (kv.end_time or 0) <= (prefill.end_time or 0)
+    assert kv.attributes is not None
+    assert (kv.attributes["phasescope.kv_loaded_tokens"], kv.attributes["phasescope.kv_transfer_bytes"]) == (
+        768,
+        7077888.0,
+    )
+    # The stages that tile the request are all there.
+    assert {"frontend", "intake", "queue", "prefill", "decode"} <= set(spans)
