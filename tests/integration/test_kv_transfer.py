@@ -163,7 +163,7 @@ def test_each_requests_kv_transfer_is_a_stage_inside_its_prefill_with_the_tokens
     step that first computes the request: both are the kv_transfer stage, inside prefill, and the stages that tile
     the request still add up to its end-to-end time."""
     server, _ = pd_server
-    prompt = LONG_PROMPT.replace("Which street", "Which colour")  # not stored yet
+    prompt = "Count the colours. " + LONG_PROMPT  # not stored yet: the store matches a prompt from its start
     request = build_request(prompt=prompt, temperature=0.0, max_tokens=8, ignore_eos=True)
     with server.client() as client:
         bytes_per_token = client.model_info().kv_cache_bytes_per_token

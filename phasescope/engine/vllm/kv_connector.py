@@ -200,7 +200,7 @@ class PhasescopeConnector(MultiConnector):
             transfer.loaded_tokens = num_external_tokens  # what vLLM took of the match
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
-        self._handed.clear()  # those outputs have left
+        self._release()  # those outputs have left
         loading: list[str] = []
         prompt: dict[str, int] = {}
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
@@ -245,7 +245,7 @@ class PhasescopeConnector(MultiConnector):
         # left the engine core yet.
         for params, transfer in self._handed:
             params[KV_TRANSFER_PARAMS_KEY] = transfer.figures(self._bytes_per_token)
-        self._handed.clear()
+        self._release()
 
     def _account(self, step: StepTransferMetadata, loading: list[str], prompt: dict[str, int]) -> None:
         for request_id in loading:
@@ -270,7 +270,7 @@ class PhasescopeConnector(MultiConnector):
         return delay, self._with_figures(request, params)
 
     def _with_figures(self, request: Request, params: dict[str, Any] | None) -> dict[str, Any] | None:
-        transfer = self._transfers.pop(request.request_id, None)
+        transfer = self._transfers.get(request.request_id)
         if params is not None and KV_TRANSFER_PARAMS_KEY in params:
             return params  # already added (request_finished_all_groups can call request_finished)
         if transfer is None:
@@ -278,6 +278,12 @@ class PhasescopeConnector(MultiConnector):
         params = {**(params or {}), KV_TRANSFER_PARAMS_KEY: transfer.figures(self._bytes_per_token)}
         self._handed.append((params, transfer))
         return params
+
+    def _release(self) -> None:
+        """Forget the requests whose figures went out: their last step's report has been counted, or never comes."""
+        for _, transfer in self._handed:
+            self._transfers.pop(transfer.request.request_id, None)
+        self._handed.clear()
 
 
 def _kv_bytes_per_token(kv_cache_config: Any) -> float:
