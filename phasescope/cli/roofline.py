@@ -6,7 +6,7 @@ import argparse
 import json
 import math
 import sys
-from dataclasses import replace
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +14,7 @@ from phasescope.telemetry.exposition import Samples, fetch_samples
 from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSource, dtype_family, lookup_device
 from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
+from phasescope.telemetry.model.disaggregation import DEFAULT_LINK, LINKS, Disaggregation, Link, disaggregation
 from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
 from phasescope.telemetry.model.speculation import (
     FREE_DRAFTER,
@@ -108,6 +109,26 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="speculative decoding: one draft step's time as a share of the model's decode step at the same batch "
         "(Leviathan et al.'s c, ≥ 0; default 0: a free drafter); instead of --draft-model",
     )
+    parser.add_argument(
+        "--disaggregate",
+        action="store_true",
+        help="disaggregated prefill and decode: each pool's capacity, the GPUs a request rate needs and the KV "
+        "transfer between them, for --prompt-tokens prompts (with --output-tokens and --request-rate; needs --model)",
+    )
+    parser.add_argument("--output-tokens", type=int, help="with --disaggregate: tokens each request generates")
+    parser.add_argument(
+        "--request-rate", type=float, help="with --disaggregate: requests per second the two pools must serve"
+    )
+    parser.add_argument(
+        "--link",
+        help=f"with --disaggregate: the link a GPU sends its KV over, one of {', '.join(LINKS)} "
+        f"(default {DEFAULT_LINK})",
+    )
+    parser.add_argument(
+        "--link-bandwidth",
+        type=float,
+        help="with --disaggregate: the link's bytes/s per GPU in one direction, e.g. 50e9; instead of --link",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
     parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
@@ -187,6 +208,44 @@ def _drafter(args: argparse.Namespace, speculative_tokens: int | None) -> Drafte
         # Split over the same devices as the model it drafts for, its figures per device like the model's.
         return Drafter(model=draft.sharded(args.tensor_parallel_size, args.pipeline_parallel_size), name=folder)
     return FREE_DRAFTER
+
+
+def _disaggregation_args(args: argparse.Namespace) -> tuple[int, float, Link] | None:
+    """--output-tokens, --request-rate and the link with --disaggregate (None without it); ValueError names
+    the flag at fault."""
+    flags = {
+        "--output-tokens": args.output_tokens,
+        "--request-rate": args.request_rate,
+        "--link": args.link,
+        "--link-bandwidth": args.link_bandwidth,
+    }
+    if not args.disaggregate:
+        given = [flag for flag, value in flags.items() if value is not None]
+        if given:
+            raise ValueError(f"{given[0]} needs --disaggregate")
+        return None
+    if args.params is not None:
+        raise ValueError("--disaggregate needs --model: a bare --params has no KV bytes per token to transfer")
+    missing = [flag for flag in ("--output-tokens", "--request-rate") if flags[flag] is None]
+    if missing:
+        raise ValueError(f"--disaggregate needs {' and '.join(missing)}")
+    if args.output_tokens < 1:
+        raise ValueError(f"--output-tokens must be at least 1, got {args.output_tokens}")
+    rate = args.request_rate
+    if not (math.isfinite(rate) and rate > 0):
+        raise ValueError(f"--request-rate must be a positive number of requests per second, got {rate}")
+    if args.link is not None and args.link_bandwidth is not None:
+        raise ValueError("--link and --link-bandwidth are alternatives: give one or neither")
+    if args.link_bandwidth is not None:
+        bandwidth = args.link_bandwidth
+        if not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise ValueError(f"--link-bandwidth must be a positive number of bytes/s, got {bandwidth}")
+        return args.output_tokens, rate, Link("--link-bandwidth", bandwidth, "given on the command line")
+    name = args.link or DEFAULT_LINK
+    link = LINKS.get(name.lower())
+    if link is None:
+        raise ValueError(f"unknown --link {name!r}; known: {', '.join(LINKS)}")
+    return args.output_tokens, rate, link
 
 
 def served_peaks(samples: Samples) -> HardwarePeaks | None:
@@ -405,6 +464,67 @@ def print_speculation(spec: Speculation) -> None:
     )
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number:,} {noun}" + ("" if number == 1 else "s")
+
+
+def print_disaggregation(disagg: Disaggregation) -> None:
+    out = sys.stdout
+    devices = disagg.gpus_per_instance
+    print(
+        f"disaggregated prefill and decode: {disagg.prompt_tokens:,}-token prompts, {disagg.output_tokens:,} output "
+        f"tokens, {disagg.request_rate_per_second:g} requests/s; an instance (TP × PP) is {_count(devices, 'GPU')} "
+        "in either pool",
+        file=out,
+    )
+    print(
+        f"prefill: {disagg.prefill_seconds * 1e3:,.2f} ms per prompt ({disagg.prefill_bound}-bound): "
+        f"{disagg.prefill_requests_per_second_per_instance:,.3f} requests/s per instance, "
+        f"{disagg.prefill_requests_per_second_per_gpu:,.3f} per GPU",
+        file=out,
+    )
+    limit = "the KV cache's limit" if disagg.decode_batch_limit == "capacity" else "the compute-bound batch"
+    print(
+        f"decode: batch {disagg.decode_batch_size:,} at context {disagg.decode_context_length:,} (prompt + output ÷ 2; "
+        f"{limit}): {disagg.decode_tokens_per_second_per_instance:,.1f} tok/s ÷ {disagg.output_tokens:,} output "
+        f"tokens = {disagg.decode_requests_per_second_per_instance:,.3f} requests/s per instance, "
+        f"{disagg.decode_requests_per_second_per_gpu:,.3f} per GPU",
+        file=out,
+    )
+    print(
+        f"balance: {disagg.prefill_to_decode_gpu_ratio:,.2f} prefill GPUs per decode GPU "
+        "(decode capacity ÷ prefill capacity per GPU)",
+        file=out,
+    )
+    rate = disagg.request_rate_per_second
+    print(
+        f"at {rate:g} requests/s: prefill {_count(disagg.prefill_instances, 'instance')} = "
+        f"{_count(disagg.prefill_gpus, 'GPU')} (⌈{rate:g} ÷ {disagg.prefill_requests_per_second_per_instance:,.3f}⌉), "
+        f"decode {_count(disagg.decode_instances, 'instance')} = {_count(disagg.decode_gpus, 'GPU')} "
+        f"(⌈{rate:g} ÷ {disagg.decode_requests_per_second_per_instance:,.3f}⌉)",
+        file=out,
+    )
+    print(
+        f"KV per request: {disagg.prompt_tokens:,} tokens × {disagg.kv_bytes_per_token:,} bytes = "
+        f"{disagg.kv_bytes_per_request / 1e9:,.3f} GB"
+        + (f"; {disagg.device_kv_bytes_per_request / 1e6:,.1f} MB on each GPU" if devices > 1 else ""),
+        file=out,
+    )
+    print(
+        f"transfer over {disagg.link} ({disagg.link_bandwidth_bytes_per_second / 1e9:,.4g} GB/s per GPU per "
+        f"direction; {disagg.link_source}): {disagg.kv_transfer_seconds * 1e3:,.2f} ms"
+        + (", each GPU its own shard" if devices > 1 else "")
+        + " — the wire floor: no protocol overhead, no layer pipelining",
+        file=out,
+    )
+    print(
+        f"TTFT floor = prefill {disagg.prefill_seconds * 1e3:,.2f} ms + transfer "
+        f"{disagg.kv_transfer_seconds * 1e3:,.2f} ms = {disagg.ttft_floor_seconds * 1e3:,.2f} ms: "
+        f"{disagg.ttft_bound} binds",
+        file=out,
+    )
+
+
 def plot(report: RooflineReport, path: Path, live: list[dict[str, Any]]) -> None:
     import matplotlib
 
@@ -553,6 +673,7 @@ def cmd(args: argparse.Namespace) -> int:
     try:
         speculative_tokens, acceptance_rate = _speculation_args(args)
         drafter = _drafter(args, speculative_tokens)
+        disaggregating = _disaggregation_args(args)
     except ValueError as exc:
         print(f"phasescope roofline: {exc}", file=sys.stderr)
         return 2
@@ -574,9 +695,29 @@ def cmd(args: argparse.Namespace) -> int:
     if not fits and not args.json:
         print(f"phasescope roofline: {does_not_fit(report)}", file=sys.stderr)
         return 1
+    disagg = None
+    if disaggregating is not None and fits:
+        output_tokens, request_rate, link = disaggregating
+        try:
+            disagg = disaggregation(
+                cost,
+                peaks,
+                args.dtype,
+                args.prompt_tokens,
+                output_tokens,
+                request_rate,
+                link,
+                args.gpu_memory_utilization,
+            )
+        except ValueError as exc:
+            print(f"phasescope roofline: --disaggregate: {exc}", file=sys.stderr)
+            return 2
     live = live_points(samples)
     if args.json:
         data = report.to_json()
+        if disaggregating is not None:
+            # One object, not fields beside the rows: its figures are for whole requests, not a batch size.
+            data["disaggregation"] = asdict(disagg) if disagg is not None else None
         if args.cost_per_hour is not None:
             data["cost_per_hour"] = args.cost_per_hour
             for row, price in zip(data["rows"], report.cost_per_million_tokens(args.cost_per_hour), strict=True):
@@ -589,6 +730,8 @@ def cmd(args: argparse.Namespace) -> int:
             return 1
     else:
         print_table(report, args.cost_per_hour)
+        if disagg is not None:
+            print_disaggregation(disagg)
         for point in live:
             print(
                 f"live engine {point['engine']} {point['phase']}: {point['arithmetic_intensity_flops_per_byte']:.1f} "
