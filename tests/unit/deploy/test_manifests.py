@@ -30,6 +30,7 @@ KEDA = DEPLOY / "k8s/autoscaling/keda"
 ADAPTER_RULES = DEPLOY / "k8s/autoscaling/prometheus-adapter-rules.yaml"
 COMPOSE = DEPLOY / "compose/docker-compose.yml"
 COMPOSE_PD = DEPLOY / "compose/docker-compose.pd.yml"
+DASHBOARD = DEPLOY / "grafana/dashboards/phasescope.json"
 # The rendered objects: the workers' (the base) and the gateway's (the gateway component).
 WORKER = "phasescope"
 GATEWAY = "phasescope-gateway"
@@ -158,13 +159,17 @@ def test_prometheus_rule_carries_the_same_groups_as_alerts_yml() -> None:
     assert rule["spec"]["groups"] == alerts["groups"]
 
 
+def dashboard_panels() -> list[dict[str, Any]]:
+    return list(json.loads(DASHBOARD.read_text())["panels"])
+
+
 def dashboard_expressions() -> list[str]:
-    dashboard = json.loads((DEPLOY / "grafana/dashboards/phasescope.json").read_text())
-    return [target["expr"] for panel in dashboard["panels"] for target in panel.get("targets", [])]
+    return [target["expr"] for panel in dashboard_panels() for target in panel.get("targets", [])]
 
 
 def test_dashboard_queries_use_only_metrics_the_server_exports() -> None:
-    documented = set(re.findall(r"`(phasescope_\w+)`", (ROOT / "docs/metrics.md").read_text()))
+    # As the tables write them: `name` or `name{labels}`.
+    documented = set(re.findall(r"`(phasescope_\w+)[`{]", (ROOT / "docs/metrics.md").read_text()))
     # Histogram series are documented by their family name.
     suffixes = ("_bucket", "_sum", "_count")
     for expr in dashboard_expressions():
@@ -175,6 +180,20 @@ def test_dashboard_queries_use_only_metrics_the_server_exports() -> None:
                 continue
             family = next((name.removesuffix(s) for s in suffixes if name.endswith(s)), name)
             assert name in documented or family in documented, f"{name} is not an exported series"
+
+
+def test_dashboard_panels_have_unique_ids_and_do_not_overlap() -> None:
+    panels = dashboard_panels()
+    ids = [panel["id"] for panel in panels]
+    assert len(set(ids)) == len(ids), sorted(ids)
+    cells: dict[tuple[int, int], str] = {}
+    for panel in panels:
+        grid = panel["gridPos"]
+        assert grid["x"] + grid["w"] <= 24, panel["title"]
+        for x in range(grid["x"], grid["x"] + grid["w"]):
+            for y in range(grid["y"], grid["y"] + grid["h"]):
+                assert (x, y) not in cells, f"{panel['title']} overlaps {cells[(x, y)]}"
+                cells[(x, y)] = panel["title"]
 
 
 def hpa_targets(documents: list[dict[str, Any]]) -> dict[str, str]:
@@ -817,3 +836,272 @@ def test_the_documented_pd_commands_are_read_by_smg_and_phasescope() -> None:
     assert parsed.pd_disaggregation
     assert parsed.prefill_urls == [(f"grpc://127.0.0.1:{roles['kv_producer']}", None)]
     assert parsed.decode_urls == [f"grpc://127.0.0.1:{roles['kv_consumer']}"]
+
+
+# Each pool's physics: every series a worker exports carries its pool's role, and the dashboard's
+# "Disaggregated pools" row reads the verdicts, roofline figures and cost per pool.
+
+# The label the scrape configs put on every series of a pool's worker; its values are POOLS' keys.
+ROLE = "role"
+POOL_ROW = "Disaggregated pools"
+# Where Prometheus' Kubernetes service discovery puts a pod's labels (the name sanitised).
+POD_LABEL_META = "__meta_kubernetes_pod_label_"
+
+
+def compose_pd_scrape_roles() -> dict[str, str | None]:
+    """Each target of deploy/prometheus/prometheus.pd.yml's `phasescope` job -> the role label it carries."""
+    scraped = yaml.safe_load((DEPLOY / "prometheus/prometheus.pd.yml").read_text())["scrape_configs"]
+    (job,) = [job for job in scraped if job["job_name"] == "phasescope"]
+    return {
+        target: static.get("labels", {}).get(ROLE) for static in job["static_configs"] for target in static["targets"]
+    }
+
+
+def test_every_worker_the_compose_pd_prometheus_scrapes_carries_its_pools_role() -> None:
+    services = compose_config(COMPOSE_PD)["services"]
+    roles = compose_pd_scrape_roles()
+    # Both pools, and no worker without its pool's role.
+    assert set(roles.values()) == set(POOLS), roles
+    for target, role in roles.items():
+        host, port = target.rsplit(":", 1)
+        command = [str(arg) for arg in services[host]["command"]]
+        metrics = serve_flag(command, "--metrics-port") or Settings.model_fields["metrics_port"].default
+        assert int(port) == int(metrics), target
+        # The role of the pool whose connector the worker runs.
+        assert role in POOLS, target
+        assert kv_transfer_config(command)["kv_role"] == POOLS[role], target
+
+
+def test_the_pd_service_monitor_copies_each_pods_pool_role_onto_every_series() -> None:
+    documents = render(PD)
+    source = POD_LABEL_META + re.sub(r"[^a-zA-Z0-9_]", "_", ROLE_LABEL)
+    # The monitoring kustomization patches the base's ServiceMonitor.
+    base = named(render_folder(DEPLOY / "k8s/base"), "ServiceMonitor", WORKER)["spec"]["endpoints"]
+    endpoints = named(documents, "ServiceMonitor", WORKER)["spec"]["endpoints"]
+    assert len(endpoints) == len(base)
+    for endpoint, base_endpoint in zip(endpoints, base, strict=True):
+        relabelings = endpoint.get("relabelings", [])
+        (copy,) = [relabeling for relabeling in relabelings if relabeling.get("targetLabel") == ROLE]
+        # The value as it is: the default action, regex and replacement.
+        assert copy["sourceLabels"] == [source], copy
+        assert copy.get("action", "replace").lower() == "replace", copy
+        assert (copy.get("regex", "(.*)"), copy.get("replacement", "$1")) == ("(.*)", "$1"), copy
+        # The patch sets the endpoint's whole list: whatever the base's endpoint had stays.
+        assert [relabeling for relabeling in relabelings if relabeling is not copy] == base_endpoint.get(
+            "relabelings", []
+        )
+        assert {key: value for key, value in endpoint.items() if key != "relabelings"} == {
+            key: value for key, value in base_endpoint.items() if key != "relabelings"
+        }
+    # So each pool's series read role="prefill" or role="decode".
+    for role in POOLS:
+        assert pod_labels(pool(documents, role))[ROLE_LABEL] == role
+
+
+def pool_row() -> list[dict[str, Any]]:
+    """The panels of the dashboard's "Disaggregated pools" row: those after it up to the next row."""
+    panels = dashboard_panels()
+    (start,) = [index for index, panel in enumerate(panels) if panel["title"].startswith(POOL_ROW)]
+    row: list[dict[str, Any]] = []
+    for panel in panels[start + 1 :]:
+        if panel["type"] == "row":
+            break
+        row.append(panel)
+    return row
+
+
+def as_sent(expr: str) -> str:
+    """A panel's expression as Grafana sends it: model `m`, every instance, a 5 m rate interval."""
+    return expr.replace("$model", "m").replace("$instance", ".*").replace("$__rate_interval", "5m")
+
+
+def pool_targets() -> dict[str, str]:
+    """`panel title / refId` -> expression as sent, for every target of the row."""
+    return {
+        f"{panel['title']} / {target['refId']}": as_sent(target["expr"])
+        for panel in pool_row()
+        for target in panel["targets"]
+    }
+
+
+def pool_target(series: str, ref: str) -> str:
+    """The row's target `ref` of the panel that reads `series`."""
+    (panel,) = [panel for panel in pool_row() if any(series in target["expr"] for target in panel["targets"])]
+    (target,) = [target for target in panel["targets"] if target["refId"] == ref]
+    return as_sent(str(target["expr"]))
+
+
+# A disaggregated deployment as Prometheus stores it: one prefill worker, three decode workers,
+# and a worker outside the pools (no role label), whose series every panel of the row must leave out.
+PREFILL, DECODES, OUTSIDE = "prefill:9400", ("decode-0:9400", "decode-1:9400", "decode-2:9400"), "solo:9400"
+# What bounds each worker's phases: two of the three decode workers read memory for decode.
+BOUND: dict[str, dict[str, str]] = {
+    PREFILL: {"prefill": "compute", "decode": "idle"},
+    DECODES[0]: {"prefill": "host", "decode": "memory"},
+    DECODES[1]: {"prefill": "host", "decode": "memory"},
+    DECODES[2]: {"prefill": "host", "decode": "host"},
+    OUTSIDE: {"prefill": "queue", "decode": "capacity"},
+}
+# Each worker's (bandwidth part, MFU part) per phase.
+UTILIZATION: dict[str, dict[str, tuple[float, float]]] = {
+    PREFILL: {"prefill": (0.25, 0.75)},
+    DECODES[0]: {"prefill": (0.125, 0.03125), "decode": (0.5, 0.0625)},
+    DECODES[1]: {"prefill": (0.125, 0.03125), "decode": (0.75, 0.0625)},
+    DECODES[2]: {"prefill": (0.125, 0.03125), "decode": (0.25, 0.0625)},
+    OUTSIDE: {"prefill": (0.0625, 0.9375), "decode": (0.9375, 0.0625)},
+}
+# Each worker's (cost per million tokens, tokens/s) per phase.
+COST: dict[str, dict[str, tuple[float, float]]] = {
+    PREFILL: {"prefill": (0.5, 1000), "decode": (2000, 1)},
+    DECODES[0]: {"prefill": (1, 100), "decode": (8, 100)},
+    DECODES[1]: {"prefill": (1, 200), "decode": (4, 200)},
+    DECODES[2]: {"prefill": (1, 200), "decode": (2, 200)},
+    OUTSIDE: {"prefill": (64, 64), "decode": (64, 64)},
+}
+# FLOPs, bytes read and bytes written per second, per phase: the prefill pool's prefill above the
+# ridge point (100 FLOP/byte), every decode pool phase below it.
+ROOFLINE: dict[str, dict[str, tuple[float, float, float]]] = {
+    PREFILL: {"prefill": (6000, 20, 10)},
+    DECODES[0]: {"prefill": (300, 10, 5), "decode": (600, 250, 50)},
+    DECODES[1]: {"prefill": (300, 10, 5), "decode": (600, 250, 50)},
+    DECODES[2]: {"prefill": (300, 10, 5), "decode": (600, 250, 50)},
+    OUTSIDE: {"prefill": (6000, 1, 1), "decode": (6000, 1, 1)},
+}
+VERDICTS = ("memory", "compute", "host", "queue", "idle", "capacity")
+
+
+def worker_labels(instance: str, **labels: str) -> str:
+    role = None if instance == OUTSIDE else "prefill" if instance == PREFILL else "decode"
+    pairs = {"job": "phasescope", "instance": instance, **({ROLE: role} if role else {}), **labels}
+    return "{" + ",".join(f'{key}="{value}"' for key, value in pairs.items()) + "}"
+
+
+def pd_series() -> list[dict[str, str]]:
+    """promtool input series: gauges constant, counters at a constant rate (per second, sampled each minute)."""
+    series: list[dict[str, str]] = []
+
+    def gauge(name: str, instance: str, value: float, **labels: str) -> None:
+        series.append({"series": name + worker_labels(instance, **labels), "values": f"{value}x15"})
+
+    def counter(name: str, instance: str, per_second: float, **labels: str) -> None:
+        series.append({"series": name + worker_labels(instance, **labels), "values": f"0+{per_second * 60}x15"})
+
+    for instance in (PREFILL, *DECODES, OUTSIDE):
+        engine = {"model": "m", "engine": "0"}
+        for phase, verdict in BOUND[instance].items():
+            for candidate in VERDICTS:
+                gauge("phasescope_bound", instance, int(candidate == verdict), **engine, phase=phase, verdict=candidate)
+        for phase, (bandwidth, compute) in UTILIZATION[instance].items():
+            gauge("phasescope_memory_bandwidth_utilization_ratio", instance, bandwidth, **engine, phase=phase)
+            gauge("phasescope_compute_utilization_ratio", instance, compute, **engine, phase=phase)
+        for phase, (price, tokens) in COST[instance].items():
+            gauge("phasescope_cost_per_million_tokens", instance, price, **engine, phase=phase)
+            gauge("phasescope_tokens_per_second", instance, tokens, **engine, phase=phase)
+        for phase, (flops, read, written) in ROOFLINE[instance].items():
+            counter("phasescope_model_flops_total", instance, flops, **engine, phase=phase)
+            counter("phasescope_model_read_bytes_total", instance, read, **engine, phase=phase)
+            counter("phasescope_model_written_bytes_total", instance, written, **engine, phase=phase)
+        gauge("phasescope_roofline_ridge_point_flops_per_byte", instance, 100, model="m")
+        # The KV transfers: the prefill pool saves the prompts' KV, the decode pool loads it.
+        stage = {"model": "m", "phase": "kv_transfer"}
+        for le, per_second in (("0.1", 1), ("1", 2), ("+Inf", 2)):
+            counter("phasescope_request_phase_seconds_bucket", instance, per_second, **stage, le=le)
+        counter("phasescope_request_phase_seconds_sum", instance, 0.5, **stage)
+        counter("phasescope_request_phase_seconds_count", instance, 2, **stage)
+        direction = "saved" if instance == PREFILL else "loaded"
+        counter("phasescope_kv_transfer_tokens_total", instance, 768, model="m", direction=direction)
+        counter("phasescope_kv_transfer_bytes_total", instance, 768 * 46080, model="m")
+        counter("phasescope_tokens_total", instance, 89, model="m", phase="prefill")
+        # vLLM's prompt tokens by source, under either name Prometheus may store (docs/metrics.md).
+        vllm = "vllm:prompt_tokens_by_source_total" if instance == PREFILL else "vllm_prompt_tokens_by_source_total"
+        counter(vllm, instance, 89, model_name="m", engine="0", source="local_compute")
+        if instance != PREFILL:
+            counter(vllm, instance, 768, model_name="m", engine="0", source="external_kv_transfer")
+    return series
+
+
+def promql_test(tmp_path: Path, expectations: dict[str, list[tuple[str, float]]]) -> None:
+    """Evaluates each expression over pd_series() with promtool: its result must be exactly the samples given."""
+    tests = {
+        "rule_files": [],
+        "evaluation_interval": "1m",
+        "tests": [
+            {
+                "interval": "1m",
+                "input_series": pd_series(),
+                "promql_expr_test": [
+                    {
+                        "expr": expr,
+                        "eval_time": "10m",
+                        "exp_samples": [{"labels": labels, "value": value} for labels, value in samples],
+                    }
+                    for expr, samples in expectations.items()
+                ],
+            }
+        ],
+    }
+    path = tmp_path / "pools.test.yml"
+    path.write_text(yaml.safe_dump(tests))
+    result = run(tool("promtool"), "test", "rules", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_every_panel_of_the_pool_row_groups_by_role_and_shows_each_pool(tmp_path: Path) -> None:
+    targets = pool_targets()
+    assert len(targets) >= 6, targets
+    # The whole deployment's figure (the cost per output token of both pools) is the one without a role.
+    expectations: dict[str, list[tuple[str, float]]] = {}
+    for name, expr in targets.items():
+        assert f'{ROLE}!=""' in expr or f'{ROLE}="decode"' in expr, name
+        pools = [(f'{{{ROLE}="{role}"}}', 1.0) for role in POOLS] if f"by ({ROLE}" in expr else [("{}", 1.0)]
+        expectations[f"group by ({ROLE}) ({expr})"] = pools
+    promql_test(tmp_path, expectations)
+
+
+def test_the_pool_row_reads_the_prefill_pool_compute_bound_and_the_decode_pool_bandwidth_bound(
+    tmp_path: Path,
+) -> None:
+    verdict_panel = next(panel for panel in pool_row() if panel["type"] == "state-timeline")
+    codes = {
+        option["text"]: int(code)
+        for code, option in verdict_panel["fieldConfig"]["defaults"]["mappings"][0]["options"].items()
+    }
+    assert set(codes) == set(VERDICTS)
+    bandwidth = pool_target("phasescope_memory_bandwidth_utilization_ratio", "A")
+    compute = pool_target("phasescope_compute_utilization_ratio", "B")
+    intensity = pool_target("phasescope_model_flops_total", "A")
+    ridge = pool_target("phasescope_roofline_ridge_point_flops_per_byte", "B")
+
+    def at(role: str, phase: str) -> str:
+        return f'{{{ROLE}="{role}", phase="{phase}"}}'
+
+    promql_test(
+        tmp_path,
+        {
+            # The verdict most of each pool's engines hold, per phase.
+            as_sent(verdict_panel["targets"][0]["expr"]): [
+                (at("prefill", "prefill"), codes["compute"]),
+                (at("prefill", "decode"), codes["idle"]),
+                (at("decode", "prefill"), codes["host"]),
+                (at("decode", "decode"), codes["memory"]),
+            ],
+            # The prefill pool's prefill uses more of its compute than of its bandwidth; the decode pool the reverse.
+            f"{compute} > {bandwidth}": [(at("prefill", "prefill"), 0.75)],
+            f"{bandwidth} > {compute}": [(at("decode", "prefill"), 0.125), (at("decode", "decode"), 0.5)],
+            # Only the prefill pool's prefill sits above the ridge point.
+            f"group by ({ROLE}, phase) ({intensity} > on ({ROLE}) group_left {ridge})": [(at("prefill", "prefill"), 1)],
+            f"group by ({ROLE}, phase) ({intensity} < on ({ROLE}) group_left {ridge})": [
+                (at("decode", "prefill"), 1),
+                (at("decode", "decode"), 1),
+            ],
+            # Cost per million tokens per pool: Σ price ÷ Σ tokens over its engines; and both pools' price per
+            # million tokens the decode pool generates: (500 + 2000 + 500 + 2000) ÷ 500.
+            pool_target("phasescope_cost_per_million_tokens", "A"): [
+                (at("prefill", "prefill"), 0.5),
+                (at("prefill", "decode"), 2000),
+                (at("decode", "prefill"), 1),
+                (at("decode", "decode"), 4),
+            ],
+            pool_target("phasescope_cost_per_million_tokens", "B"): [("{}", 10)],
+        },
+    )
