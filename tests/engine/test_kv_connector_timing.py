@@ -177,3 +177,49 @@ def test_the_worker_times_its_moves_per_step_and_workers_of_one_step_take_the_sl
     assert isinstance(both, StepTransferMetadata)
     assert (both.load.start, both.load.seconds) == (report.load.start - 0.001, 0.5)
     assert (both.save.start, both.save.seconds) == (report.save.start, report.save.seconds)
+
+
+def test_a_load_that_fails_is_its_steps_blocks_to_recompute_and_nothing_loaded(
+    connector: PhasescopeConnector, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Scheduler side: vLLM gave the request blocks 4-7 for the match; the step loads into them.
+    loading = request("short-entry", 600)
+    matches(monkeypatch, 512, load_async=False)
+    connector.get_num_new_matched_tokens(loading, 0)
+    connector.update_state_after_alloc(loading, SimpleNamespace(get_block_ids=lambda: ([4, 5, 6, 7, 8],)), 512)
+    meta = connector.build_connector_meta(scheduled({"short-entry": 88}, {"short-entry": 512}))
+    assert isinstance(meta, StepMetadata)
+    assert meta.loading_blocks == (4, 5, 6, 7, 8)
+    # Worker side: the user's connector raises while loading (the ExampleConnector's "shape mismatch").
+    worker = PhasescopeConnector.__new__(PhasescopeConnector)
+    worker._step, worker._load, worker._save, worker._load_failed = -1, _Timer(), _Timer(), False
+    monkeypatch.setattr(MultiConnector, "bind_connector_metadata", lambda *args: None)
+    monkeypatch.setattr(MultiConnector, "get_block_ids_with_load_errors", lambda *args: set())
+
+    def shape_mismatch(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("shape mismatch: value tensor of shape [256, 3, 128] cannot be broadcast")
+
+    monkeypatch.setattr(MultiConnector, "start_load_kv", shape_mismatch)
+    worker.bind_connector_metadata(meta)
+    worker.start_load_kv(None)  # does not raise: vLLM recomputes the blocks
+    assert worker.get_block_ids_with_load_errors() == {4, 5, 6, 7, 8}
+    assert worker.get_block_ids_with_load_errors() == set()  # reported once
+    # A failure in a step that loads nothing of a request's is not a load's: it stays the engine's to see.
+    worker.bind_connector_metadata(StepMetadata(metadata=(), step=meta.step + 1))
+    with pytest.raises(RuntimeError, match="shape mismatch"):
+        worker.start_load_kv(None)
+    # Back on the scheduler side, the step's report with the failed blocks: nothing came through the connector.
+    report = StepTransferMetadata(meta.step, None, load=_Timer(30.0, 0.01))
+    connector.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=report, invalid_block_ids={4, 5}))
+    transfer = figures(connector.request_finished(loading, [])[1])
+    assert transfer.loaded_tokens == 0
+    assert transfer.seconds == pytest.approx(0.01)
+
+
+def test_phasescope_starts_its_connector_recomputing_failed_loads_unless_told_otherwise() -> None:
+    from phasescope.engine.vllm.kv_connector import wrapped_kv_transfer_config
+
+    example = {"kv_connector": "ExampleConnector", "kv_role": "kv_consumer"}
+    assert wrapped_kv_transfer_config(example)["kv_load_failure_policy"] == "recompute"
+    told = wrapped_kv_transfer_config({**example, "kv_load_failure_policy": "fail"})
+    assert told["kv_load_failure_policy"] == "fail"

@@ -203,3 +203,29 @@ def test_each_requests_kv_transfer_is_a_stage_inside_its_prefill_with_the_tokens
         saved.kv_transfer_bytes + loaded.kv_transfer_bytes
     )
     assert server.sample_sum("phasescope_request_phase_seconds_count", phase="kv_transfer") >= 2
+
+
+def test_a_stored_entry_shorter_than_its_match_is_recomputed_and_the_worker_keeps_serving(
+    start_server: Callable[..., ServerProcess], tmp_path: Path
+) -> None:
+    """vLLM's ExampleConnector stores only a prompt's first chunk when the prompt is prefilled in several steps,
+    under the whole prompt's name; loading it again fails ("shape mismatch"), which alone ends the engine. Behind
+    phasescope's connector the failed load's blocks are recomputed: the same answer, nothing counted as loaded."""
+    config = {
+        "kv_connector": "ExampleConnector",
+        "kv_role": "kv_both",
+        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
+    }
+    server = start_server("--kv-transfer-config", json.dumps(config), "--max-num-batched-tokens", "256")
+    try:
+        request = build_request(prompt=LONG_PROMPT, temperature=0.0, max_tokens=4, ignore_eos=True)
+        with server.client() as client:
+            first = client.generate(request)
+            assert first.usage.prompt_tokens > 2 * 256  # prefilled in three steps or more
+            flush_prefix_cache(server)
+            second = client.generate(request)
+        assert list(second.token_ids) == list(first.token_ids)
+        assert second.timings.kv_loaded_tokens == 0
+        assert server.health() == "SERVING"
+    finally:
+        server.stop()

@@ -26,6 +26,7 @@ are those tokens times the KV cache's bytes per token (every layer's page ÷ the
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -39,6 +40,8 @@ if TYPE_CHECKING:
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+logger = logging.getLogger(__name__)
 
 CONNECTOR_NAME = "PhasescopeConnector"
 MODULE_PATH = __name__
@@ -85,6 +88,8 @@ class StepMetadata(MultiKVConnectorMetadata):
     """vLLM's metadata for the user's connector, numbered, so a worker's report names the step it is about."""
 
     step: int = -1
+    loading_blocks: tuple[int, ...] = ()
+    """The blocks the step loads into before its forward pass (`PhasescopeConnector.get_block_ids_with_load_errors`)."""
 
 
 @dataclass(slots=True)
@@ -97,6 +102,8 @@ class RequestTransfer:
     loaded_tokens: int = 0
     saved_tokens: int = 0
     loading_async: bool = False
+    blocks: tuple[int, ...] = ()
+    """The blocks vLLM gave the request when it took the match: those a load writes into."""
 
     def figures(self, bytes_per_token: float) -> dict[str, float]:
         """What the front end reads (`KvTransferFigures.from_params`)."""
@@ -121,6 +128,8 @@ def wrapped_kv_transfer_config(config: dict[str, Any]) -> dict[str, Any]:
     # (KVTransferConfig "got multiple values for keyword argument 'engine_id'") when the child names one itself.
     child = {key: value for key, value in config.items() if key != "engine_id"}
     outer["kv_connector_extra_config"] = {"connectors": [child]}
+    # A load that fails (a connector's stored entry shorter than its match) is recomputed, not the request failed.
+    outer.setdefault("kv_load_failure_policy", "recompute")
     return outer
 
 
@@ -140,8 +149,10 @@ class PhasescopeConnector(MultiConnector):
         self._saves = bool(vllm_config.kv_transfer_config.is_kv_producer)
         # The figures handed out with requests that ended in the update now running (`request_finished`).
         self._handed: list[tuple[dict[str, Any], RequestTransfer]] = []
-        # Worker side: the step running and its moves.
+        # Worker side: the step running, the blocks it loads and whether a load failed, and its moves.
         self._step = -1
+        self._loading_blocks: tuple[int, ...] = ()
+        self._load_failed = False
         self._load = _Timer()
         self._save = _Timer()
 
@@ -150,16 +161,42 @@ class PhasescopeConnector(MultiConnector):
     def bind_connector_metadata(self, connector_metadata: Any) -> None:
         super().bind_connector_metadata(connector_metadata)
         self._step = getattr(connector_metadata, "step", -1)
+        self._loading_blocks = getattr(connector_metadata, "loading_blocks", ())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        failed: set[int] = super().get_block_ids_with_load_errors()
+        if self._load_failed:
+            # vLLM recomputes them (phasescope starts its connector with kv_load_failure_policy "recompute").
+            failed |= set(self._loading_blocks)
+            self._load_failed = False
+        return failed
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         start = time.monotonic()
-        super().start_load_kv(forward_context, **kwargs)
+        try:
+            super().start_load_kv(forward_context, **kwargs)
+        except Exception:  # a load that fails is the step's blocks to recompute, never the engine's end
+            self._load_failed_in_step("start_load_kv")
         self._load.add(start, time.monotonic())
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         start = time.monotonic()
-        super().wait_for_layer_load(layer_name)
+        try:
+            super().wait_for_layer_load(layer_name)
+        except Exception:
+            self._load_failed_in_step("wait_for_layer_load")
         self._load.add(start, time.monotonic())
+
+    def _load_failed_in_step(self, where: str) -> None:
+        if not self._loading_blocks:
+            raise  # nothing of ours was loading: not a load of a request's KV
+        logger.warning(
+            "the KV connector's %s failed; this step's %d loaded blocks are recomputed",
+            where,
+            len(self._loading_blocks),
+            exc_info=True,
+        )
+        self._load_failed = True
 
     def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
         start = time.monotonic()
@@ -198,10 +235,12 @@ class PhasescopeConnector(MultiConnector):
         transfer = self._transfers.get(request.request_id)
         if transfer is not None and num_external_tokens > 0:
             transfer.loaded_tokens = num_external_tokens  # what vLLM took of the match
+            transfer.blocks = tuple(block for group in blocks.get_block_ids() for block in group) if blocks else ()
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> Any:
         self._release()  # those outputs have left
         loading: list[str] = []
+        loading_blocks: list[int] = []
         prompt: dict[str, int] = {}
         computed = {new.req_id: new.num_computed_tokens for new in scheduler_output.scheduled_new_reqs}
         cached = scheduler_output.scheduled_cached_reqs
@@ -213,6 +252,7 @@ class PhasescopeConnector(MultiConnector):
             before = computed.get(request_id, transfer.request.num_computed_tokens)
             if transfer.loaded_tokens and not transfer.loading_async and not transfer.load.start:
                 loading.append(request_id)  # its KV loads in this step, before the forward pass
+                loading_blocks.extend(transfer.blocks)
             prompt_tokens = min(scheduled, transfer.request.num_prompt_tokens - before)
             if prompt_tokens > 0 and self._saves:
                 prompt[request_id] = prompt_tokens
@@ -220,7 +260,9 @@ class PhasescopeConnector(MultiConnector):
         step = self._next_step
         self._next_step += 1
         self._steps[step] = (loading, prompt)
-        return StepMetadata(children.metadata, children.extra_async_saves, step=step)
+        return StepMetadata(
+            children.metadata, children.extra_async_saves, step=step, loading_blocks=tuple(loading_blocks)
+        )
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         step = connector_output.kv_connector_worker_meta
@@ -233,7 +275,7 @@ class PhasescopeConnector(MultiConnector):
             for number in [number for number in self._steps if number <= step.step]:
                 accounted = self._steps.pop(number)  # a step before it that never reported moved nothing
                 if number == step.step:
-                    self._account(step, *accounted)
+                    self._account(step, *accounted, failed=connector_output.invalid_block_ids)
         else:
             super().update_connector_output(connector_output)
         now = time.monotonic()
@@ -247,11 +289,17 @@ class PhasescopeConnector(MultiConnector):
             params[KV_TRANSFER_PARAMS_KEY] = transfer.figures(self._bytes_per_token)
         self._release()
 
-    def _account(self, step: StepTransferMetadata, loading: list[str], prompt: dict[str, int]) -> None:
+    def _account(
+        self, step: StepTransferMetadata, loading: list[str], prompt: dict[str, int], failed: set[int]
+    ) -> None:
         for request_id in loading:
             transfer = self._transfers.get(request_id)
-            if transfer is not None and step.load.seconds > 0.0:
+            if transfer is None:
+                continue
+            if step.load.seconds > 0.0:
                 transfer.load = _Timer(step.load.start, step.load.seconds)
+            if failed.intersection(transfer.blocks):
+                transfer.loaded_tokens = 0  # its load failed and vLLM recomputes the prompt: nothing came through
         if step.save.seconds > 0.0:
             for request_id, tokens in prompt.items():
                 transfer = self._transfers.get(request_id)
