@@ -336,7 +336,7 @@ def _latency_line(latency: pb.LatencySnapshot) -> Text:
         f"{stage.name} {mean(getattr(latency, f'{stage.name}_mean_seconds'))}"
         for stage in STAGES
         if f"{stage.name}_mean_seconds" in latency.DESCRIPTOR.fields_by_name
-        and not (stage.nested and not getattr(latency, f"{stage.name}_mean_seconds"))
+        and (not stage.nested or getattr(latency, f"{stage.name}_mean_seconds"))
     )
     return Text.assemble(("latency ", "bold"), f"TTFT {ttft} · ITL {itl}\n        mean {means}")
 

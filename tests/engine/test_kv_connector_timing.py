@@ -85,6 +85,14 @@ def scheduled(new: dict[str, int], computed: dict[str, int]) -> Any:
     )
 
 
+def bare_worker() -> PhasescopeConnector:
+    """The connector's worker side alone (its calls to the user's connector are scripted by each test)."""
+    worker = PhasescopeConnector.__new__(PhasescopeConnector)
+    worker._step, worker._loading_blocks, worker._load_failed = -1, (), False
+    worker._load, worker._save = _Timer(), _Timer()
+    return worker
+
+
 def figures(params: dict[str, Any] | None) -> KvTransferFigures:
     rest, transfer = KvTransferFigures.from_params(params)
     assert rest is None  # only phasescope's own figures: the client sees no parameters
@@ -153,8 +161,7 @@ def test_a_worker_report_is_counted_for_the_step_it_names(
 def test_the_worker_times_its_moves_per_step_and_workers_of_one_step_take_the_slowest(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    worker = PhasescopeConnector.__new__(PhasescopeConnector)  # only the worker-side timing is exercised
-    worker._step, worker._load, worker._save = -1, _Timer(), _Timer()
+    worker = bare_worker()
     monkeypatch.setattr(MultiConnector, "bind_connector_metadata", lambda *args: None)
     monkeypatch.setattr(MultiConnector, "start_load_kv", lambda *args, **kwargs: time.sleep(0.02))
     monkeypatch.setattr(MultiConnector, "wait_for_save", lambda *args: time.sleep(0.01))
@@ -191,8 +198,7 @@ def test_a_load_that_fails_is_its_steps_blocks_to_recompute_and_nothing_loaded(
     assert isinstance(meta, StepMetadata)
     assert meta.loading_blocks == (4, 5, 6, 7, 8)
     # Worker side: the user's connector raises while loading (the ExampleConnector's "shape mismatch").
-    worker = PhasescopeConnector.__new__(PhasescopeConnector)
-    worker._step, worker._load, worker._save, worker._load_failed = -1, _Timer(), _Timer(), False
+    worker = bare_worker()
     monkeypatch.setattr(MultiConnector, "bind_connector_metadata", lambda *args: None)
     monkeypatch.setattr(MultiConnector, "get_block_ids_with_load_errors", lambda *args: set())
 

@@ -36,13 +36,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import grpc
 import openai
 import pytest
 from openai.types.chat import ChatCompletion
 from opentelemetry.proto.trace.v1 import trace_pb2
-from smg_grpc_proto.generated import common_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.bench.harness import GatewayProcess
 from phasescope.client.client import build_request, new_traceparent
@@ -215,16 +212,6 @@ def long_chat(pair: Pair, front: Front) -> LongChat:
     return LongChat(answer, prefill, decode)
 
 
-def flush_prefix_cache(server: ServerProcess) -> None:
-    """Drop the engine's own prefix cache (vLLM refuses while a request still holds blocks: try again)."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
-        deadline = time.monotonic() + 30
-        while not stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success:
-            assert time.monotonic() < deadline, "the engine never flushed its prefix cache"
-            time.sleep(0.2)
-
-
 def empty(store: Path) -> None:
     for entry in store.iterdir():
         if entry.is_dir():
@@ -243,7 +230,7 @@ def test_a_greedy_chat_through_the_pair_answers_as_one_worker_alone(
     # The same chat on the prefill worker alone, over phasescope's own protocol, with nothing to load: the store
     # emptied and the worker's prefix cache flushed, so it computes the whole prompt itself.
     empty(pair.store)
-    flush_prefix_cache(pair.prefill)
+    pair.prefill.flush_prefix_cache()
     with pair.prefill.client() as client:
         alone = client.generate(build_request(chat=[("user", long_prompt("red"))], temperature=0.0, max_tokens=16))
     assert (alone.usage.cached_prompt_tokens, alone.timings.kv_loaded_tokens) == (0, 0)

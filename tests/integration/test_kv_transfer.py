@@ -18,7 +18,6 @@ from typing import Any
 
 import grpc
 import pytest
-from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
@@ -71,17 +70,6 @@ def complete(server: ServerProcess, request_id: str, **fields: Any) -> Any:
         return answer
 
 
-def flush_prefix_cache(server: ServerProcess) -> None:
-    """Drop the engine's own prefix cache, so what the prompt finds cached can only come from the connector."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
-        deadline = time.monotonic() + 30
-        # vLLM refuses while a request still holds blocks: the one just answered may not be freed yet.
-        while not stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success:
-            assert time.monotonic() < deadline, "the engine never flushed its prefix cache"
-            time.sleep(0.2)
-
-
 def external_tokens(server: ServerProcess) -> float:
     return server.sample_sum(EXTERNAL, source="external_kv_transfer")
 
@@ -103,7 +91,7 @@ def test_a_connector_worker_says_its_connector_and_role_and_a_prompt_seen_again_
     first = complete(server, "kv-first")
     assert first.prompt_tokens >= 2 * BLOCK_TOKENS + 2
     assert any(store.iterdir()), "the connector stored nothing"
-    flush_prefix_cache(server)
+    server.flush_prefix_cache()
     computed_before = server.sample_sum(EXTERNAL, source="local_compute")
     second = complete(server, "kv-second")
 
@@ -170,9 +158,9 @@ def test_each_requests_kv_transfer_is_a_stage_inside_its_prefill_with_the_tokens
         loaded_before = server.sample_sum("phasescope_kv_transfer_tokens_total", direction="loaded")
         external_before = external_tokens(server)
         bytes_before = server.sample_sum("phasescope_kv_transfer_bytes_total")
-        flush_prefix_cache(server)  # the earlier tests' prompts share its first blocks
+        server.flush_prefix_cache()  # the earlier tests' prompts share its first blocks
         first = client.generate(request)
-        flush_prefix_cache(server)
+        server.flush_prefix_cache()
         second = client.generate(request)
     prompt_tokens = first.usage.prompt_tokens
     saved, loaded = first.timings, second.timings
@@ -222,7 +210,7 @@ def test_a_stored_entry_shorter_than_its_match_is_recomputed_and_the_worker_keep
         with server.client() as client:
             first = client.generate(request)
             assert first.usage.prompt_tokens > 2 * 256  # prefilled in three steps or more
-            flush_prefix_cache(server)
+            server.flush_prefix_cache()
             second = client.generate(request)
         assert list(second.token_ids) == list(first.token_ids)
         assert second.timings.kv_loaded_tokens == 0

@@ -7,8 +7,13 @@ processes, even when a test fails.
 
 from __future__ import annotations
 
+import time
 import urllib.request
 from pathlib import Path
+
+import grpc
+from smg_grpc_proto.generated import common_pb2
+from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.bench.harness import PhasescopeProcess, StartError
 from phasescope.client.client import Client
@@ -51,3 +56,13 @@ class ServerProcess(PhasescopeProcess):
     def sample_sum(self, name: str, **labels: str) -> float:
         """Sum of a series over every label set that includes `labels`."""
         return sum_samples(self.samples(), name, **labels)
+
+    def flush_prefix_cache(self) -> None:
+        """Drop the engine's own prefix cache, over vLLM's engine protocol (vLLM refuses while a request still
+        holds blocks, as the one just answered may: try again)."""
+        with grpc.insecure_channel(self.address) as channel:
+            stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+            deadline = time.monotonic() + 30
+            while not stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success:
+                assert time.monotonic() < deadline, "the engine never flushed its prefix cache"
+                time.sleep(0.2)

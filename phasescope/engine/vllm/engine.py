@@ -608,7 +608,11 @@ class VllmEngine:
                 stats = output.metrics
                 # The connector's answer (a prefill worker's, for the decode worker), with the last output, and
                 # what phasescope's connector moved for the request.
-                kv_transfer_params, transfer = KvTransferFigures.from_params(output.kv_transfer_params)
+                kv_transfer_params, transfer = (
+                    KvTransferFigures.from_params(output.kv_transfer_params)
+                    if output.kv_transfer_params  # the last output's only: no call for every other step
+                    else (None, None)
+                )
                 stamps = None
                 if stats is not None:
                     stamps = EngineTimestamps(
