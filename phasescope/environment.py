@@ -38,6 +38,21 @@ def env_client_token() -> str:
     return os.environ.get("PHASESCOPE_TOKEN", "")
 
 
+TELEMETRY_ENDPOINT = "PHASESCOPE_TELEMETRY_ENDPOINT"
+"""Where each engine core publishes its step reports (a ZMQ address of phasescope's hub). An environment variable,
+not an engine argument: the engine cores inherit it whatever front end starts them, and it stays out of the
+configuration vLLM hashes for its compile cache."""
+
+
+def env_telemetry_endpoint() -> str:
+    return os.environ.get(TELEMETRY_ENDPOINT, "")
+
+
+def export_telemetry_endpoint(endpoint: str) -> None:
+    """Name the hub to the engine cores this process starts next (they inherit the environment)."""
+    os.environ[TELEMETRY_ENDPOINT] = endpoint
+
+
 def env_xdg_cache_home() -> str | None:
     return os.environ.get("XDG_CACHE_HOME")
 

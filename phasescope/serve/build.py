@@ -8,7 +8,7 @@ tests build their servers here too, so they exercise what production wires.
 
     telemetry pipeline ◀── held records ── ObserverGroup ◀── RequestPath ◀── InferenceServicer
           ▲   ▲                                   │                   ◀── VllmEngineServicer
-          │   └── step reports ── StepAggregator ◀┴ StepForwarder ◀── the engine's stat logger
+          │   └── step reports ── StepAggregator ◀┴ StepForwarder ◀── StepHub ◀── each engine core's scheduler
           └────── vLLM's own series (its Prometheus logger)
     a scrape, the live view, GetLoads: hand on what the pipeline holds, then read
 """
@@ -103,7 +103,7 @@ class Built:
     health: health.aio.HealthServicer
     pipeline: TelemetryPipeline
     steps: StepForwarder
-    """Where the engine's stat logger reports each step (to the aggregator, once the engine is attached)."""
+    """Where the engine cores' step reports go (to the aggregator, once the engine is attached)."""
     path: RequestPath
     inference: InferenceServicer
     engine_protocol: VllmEngineServicer
@@ -140,7 +140,7 @@ class Built:
         )
         StepMetrics(self.model_name, aggregator, self.registry)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
-        self.steps.sink = aggregator.record
+        self.steps.attach(aggregator.record)
         self.path.interference = aggregator.interference.read
         self.path.engine = engine
         live = LiveTelemetry(aggregator, self.recent, self.pipeline)

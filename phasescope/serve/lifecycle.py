@@ -59,9 +59,10 @@ class SampleProgress:
         self.first_token_reported = False
 
     def read_interference(self, totals: Interference) -> None:
-        # The engine's totals advance in the output pass that delivered this step's tokens (its stat logger
-        # runs before this request's consumer resumes): their difference since the first token is what this
-        # sample's decode shared (phasescope.telemetry.step.interference).
+        # The engine's totals advance with each step's report, which the engine core publishes before it sends the
+        # step's outputs (the hub usually hands it on before this request's consumer resumes, else a step later, at
+        # both ends of the decode alike): their difference since the first token is what this sample's decode shared
+        # (phasescope.telemetry.step.interference).
         if self._decode_start is None:
             self._decode_start = totals
         self._totals = totals

@@ -1,7 +1,7 @@
 """Telemetry that fails must never fail a request, and must not flood the log.
 
-vLLM propagates an exception raised inside a stat logger to every request in
-flight, and a broken observer would do the same to its request. So each
+vLLM propagates an exception raised inside a stat logger (or its scheduler) to
+every request in flight, and a broken observer would do the same to its request. So each
 boundary where telemetry code runs on the request or step path catches what
 it raises, counts it in `phasescope_telemetry_errors_total{component}` and
 logs it at most once a minute per kind.

@@ -78,8 +78,8 @@ class _Recent:
 
 class RecentLatencies(StepSink):
     """A request observer (phasescope.telemetry.request.observer) keeping the last minutes' latencies, and a
-    sink of the engine's steps for their inter-token gaps. Thread-safe: the engine's stat logger and the
-    request path both add."""
+    sink of the engine's steps for their inter-token gaps. Thread-safe: the step reports and the request
+    path both add."""
 
     def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
         self._clock = clock

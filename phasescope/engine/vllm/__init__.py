@@ -1,4 +1,6 @@
-"""Everything that imports vLLM: the `Engine` over `AsyncLLM` (engine) and the stat logger (stats).
+"""Everything that imports vLLM: the `Engine` over `AsyncLLM` (engine), phasescope's scheduler that reports
+each step inside the engine core (core_telemetry), vLLM's own Prometheus logger in the pipeline (stats), the KV
+connector and the CPU sampling remedy.
 
 vLLM's request and scheduler statistics are documented as unstable interfaces;
 keeping every reader of them here keeps an upgrade's blast radius to this

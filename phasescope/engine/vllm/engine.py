@@ -1,7 +1,8 @@
 """The `Engine` implementation over vLLM's `AsyncLLM`.
 
-With the stat logger beside it, the only code that imports vLLM. Its request stats (`RequestStateStats`)
-and errors are translated here into the project's own types.
+With the rest of `phasescope.engine.vllm`, the only code that imports vLLM. Its request stats
+(`RequestStateStats`) and errors are translated here into the project's own types; each engine step is reported by
+the engine core that ran it (phasescope.engine.vllm.core_telemetry) to the hub this engine starts.
 """
 
 from __future__ import annotations
@@ -33,13 +34,16 @@ from phasescope.engine.base import (
     TokenLogprob,
 )
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
-from phasescope.engine.vllm.stats import stat_logger_factory, vllm_prometheus_logger
+from phasescope.engine.vllm.core_telemetry import telemetry_scheduler
+from phasescope.engine.vllm.stats import vllm_prometheus_logger
+from phasescope.environment import export_telemetry_endpoint
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
 from phasescope.telemetry.hardware.probe import cpu_name
 from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.request.phases import EngineTimestamps, KvTransferFigures
 from phasescope.telemetry.step.records import StepForwarder
+from phasescope.telemetry.step.transport import StepHub
 
 logger = logging.getLogger(__name__)
 
@@ -296,8 +300,10 @@ def _model_cost(hf_config: dict[str, Any], folder: Path | None, dtype: str, kv_c
 class VllmEngine:
     """One `AsyncLLM` (with its engine-core processes) serving one model."""
 
-    def __init__(self, llm: Any, description: ModelDescription) -> None:
+    def __init__(self, llm: Any, description: ModelDescription, hub: StepHub) -> None:
         self._llm = llm
+        # Where the engine cores' step reports arrive (phasescope.engine.vllm.core_telemetry publishes them).
+        self._hub = hub
         self._description = description
         self._tokenizer = llm.get_tokenizer()
         self._limits = ModelLimits(
@@ -324,7 +330,8 @@ class VllmEngine:
     ) -> VllmEngine:
         """Start the engine; blocks for the model's load time (run it off the event loop).
 
-        Every engine step is reported to `steps`; vLLM's own series wait in `pipeline` with the rest.
+        Every engine step is reported to `steps` by the engine core that ran it (through a hub this engine owns);
+        vLLM's own series wait in `pipeline` with the rest.
         """
         import vllm
         import vllm.envs
@@ -368,9 +375,7 @@ class VllmEngine:
             # Request stats carry the engine timestamps the phases come from.
             disable_log_stats=False,
             enable_log_requests=False,
-            # Per-step accounting done by the engine itself: token counts and
-            # execution time per step, and its analytic FLOPs and bytes.
-            enable_logging_iteration_details=True,
+            # vLLM's analytic FLOPs and bytes of each step, which phasescope's scheduler reads in the engine core.
             enable_mfu_metrics=True,
             kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
             speculative_config=json.loads(options.speculative_config) if options.speculative_config else None,
@@ -385,10 +390,17 @@ class VllmEngine:
             else None,
         )
         vllm_config = _engine_config(engine_args)
-        # vLLM's own series too, through the pipeline (vLLM adds its default Prometheus logger only without one).
-        llm = AsyncLLM.from_vllm_config(
-            vllm_config, stat_loggers=[stat_logger_factory(steps), vllm_prometheus_logger(pipeline)]
-        )
+        # Each engine core reports its steps where they run: phasescope's scheduler publishes to this hub.
+        scheduler_config = vllm_config.scheduler_config
+        scheduler_config.scheduler_cls = telemetry_scheduler(bool(scheduler_config.async_scheduling))
+        hub = StepHub(steps.report_batch, on_error=steps.failed).start()
+        export_telemetry_endpoint(hub.endpoint)
+        try:
+            # vLLM's own series, through the pipeline (vLLM adds its default Prometheus logger only without one).
+            llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[vllm_prometheus_logger(pipeline)])
+        except BaseException:
+            hub.close()
+            raise
         try:
             model_config = llm.model_config
             hf_config = model_config.hf_config.to_dict()
@@ -427,9 +439,10 @@ class VllmEngine:
                 kv_connector=_kv_connector(kv_transfer.given if kv_transfer is not None else None),
                 **_model_facts(llm),
             )
-            engine = cls(llm, description)
+            engine = cls(llm, description, hub)
         except BaseException:
             llm.shutdown()
+            hub.close()
             raise
         # vLLM reads some environment variables again for every output of every request; its own engine core
         # caches them once started, as this does for the front end until close().
@@ -703,6 +716,8 @@ class VllmEngine:
                 await handler
             llm.output_handler = None
         await asyncio.to_thread(llm.shutdown)
+        # After the engine cores: they send what they held as they stop.
+        await asyncio.to_thread(self._hub.close)
         import vllm.envs
 
         vllm.envs.disable_envs_cache()  # a later engine in this process reads the environment afresh

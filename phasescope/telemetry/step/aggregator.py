@@ -25,7 +25,14 @@ from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.attribution import Drafter, StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
-from phasescope.telemetry.step.records import PHASES, EngineIteration, SchedulerState, StepRecord, StepReport
+from phasescope.telemetry.step.records import (
+    PHASES,
+    EngineIteration,
+    PublisherHealth,
+    SchedulerState,
+    StepRecord,
+    StepReport,
+)
 from phasescope.telemetry.step.verdict import (
     Headroom,
     HeadroomLimits,
@@ -94,6 +101,9 @@ class StepSink:
 
     def queue(self, state: SchedulerState) -> None:
         """The engine's scheduler state at a stats update."""
+
+    def publisher(self, health: PublisherHealth) -> None:
+        """What watching has cost an engine core so far (its step publisher's cumulative figures)."""
 
 
 class StepAggregator:
@@ -203,6 +213,9 @@ class StepAggregator:
             self.window.add_queue(state.engine, state.running, state.waiting, state.kv_cache_usage, state.reason, at)
             for sink in self._sinks:
                 sink.queue(state)
+        if report.publisher is not None:
+            for sink in self._sinks:
+                sink.publisher(report.publisher)
         if report.step is not None:
             cost = self._attribute(report.step)
             self.window.add(report.step, cost, at)

@@ -31,13 +31,13 @@ DECODE_REFERENCE_SMOOTHING = 0.2
 class InterferenceLedger:
     """Per engine, running totals of `Interference`, advanced once per engine step.
 
-    The engine's steps and its requests' tokens come from the same engine-core output batches:
-    vLLM's output handler hands a batch's tokens to the requests and then reports the batch's step
-    (phasescope.engine.vllm.stats), so a request that reads the totals when its tokens arrive and
-    again when it finishes gets the steps of its decode. The reference for "a decode-only step of
-    the same batch" is the exponential average of this engine's decode-only steps of that batch
-    size, else of the nearest batch size seen; before any decode-only step, the roofline split
-    of the mixed step (its decode share of the time) stands in.
+    The engine's steps and its requests' tokens come from the same engine-core output batches: the
+    engine core publishes a batch's step report (phasescope.engine.vllm.core_telemetry) before it sends
+    the batch's tokens, so a request that reads the totals when its tokens arrive and again when it
+    finishes gets the steps of its decode (a step late at both ends when the report arrives after them).
+    The reference for "a decode-only step of the same batch" is the exponential average of this
+    engine's decode-only steps of that batch size, else of the nearest batch size seen; before any
+    decode-only step, the roofline split of the mixed step (its decode share of the time) stands in.
     """
 
     def __init__(self) -> None:

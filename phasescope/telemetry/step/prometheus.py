@@ -19,7 +19,7 @@ from prometheus_client.registry import Collector
 from phasescope.telemetry.histograms import observe_all
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
-from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, SchedulerState, StepRecord
+from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, PublisherHealth, SchedulerState, StepRecord
 from phasescope.telemetry.step.verdict import VERDICTS
 from phasescope.telemetry.step.window import SPECULATION_READINGS, WAIT_REASONS, DeviceFigures, PhaseFigures
 
@@ -81,6 +81,26 @@ class StepMetrics(StepSink, Collector):
             "phasescope_engine_steps",
             "Engine steps by kind: prefill (prompt chunks only), decode (decodes only), mixed (both).",
             ["model", "engine", "kind"],
+            registry=registry,
+        )
+        self.telemetry_dropped_reports = Counter(
+            "phasescope_engine_telemetry_dropped_reports",
+            "Step reports an engine core's publisher dropped rather than wait (its queue full, or the hub slow or "
+            "gone): steps missing from every phasescope series.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.telemetry_hook_seconds = Counter(
+            "phasescope_engine_telemetry_hook_seconds",
+            "Time the engine loop spent in phasescope's step accounting (building and queueing each step's "
+            "report); ÷ phasescope_engine_telemetry_hook_calls_total is its cost per step.",
+            ["model", "engine"],
+            registry=registry,
+        )
+        self.telemetry_hook_calls = Counter(
+            "phasescope_engine_telemetry_hook_calls",
+            "Engine-core steps phasescope's step accounting ran for (steps that scheduled nothing included).",
+            ["model", "engine"],
             registry=registry,
         )
         self.preemptions = Counter(
@@ -146,6 +166,7 @@ class StepMetrics(StepSink, Collector):
         self._inter_token = self.inter_token_latency_seconds.labels(model)
         # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
         self._last_queue: dict[int, SchedulerState] = {}
+        self._last_publisher: dict[int, PublisherHealth] = {}
         registry.register(self)
         steps.add_sink(self)
 
@@ -158,6 +179,18 @@ class StepMetrics(StepSink, Collector):
         self.engine_requests.labels(*labels, "waiting").set(state.waiting)
         self.engine_requests.labels(*labels, "deferred").set(state.deferred)
         self.kv_cache_usage.labels(*labels).set(state.kv_cache_usage)
+
+    def publisher(self, health: PublisherHealth) -> None:
+        # The publisher's figures are cumulative since its engine core started (a restarted core starts again at 0).
+        last = self._last_publisher.get(health.engine)
+        self._last_publisher[health.engine] = health
+        labels = (self._model, str(health.engine))
+        for counter, now, before in (
+            (self.telemetry_dropped_reports, health.dropped_reports, last.dropped_reports if last else 0),
+            (self.telemetry_hook_seconds, health.hook_seconds, last.hook_seconds if last else 0.0),
+            (self.telemetry_hook_calls, health.hook_calls, last.hook_calls if last else 0),
+        ):
+            counter.labels(*labels).inc(now - before if now >= before else now)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         # A step's gaps observed together (one per running request).

@@ -1,12 +1,14 @@
 """What the engine reports each step, and the seam its reports cross (pure: no Prometheus here).
 
-The engine reports every stats update as one `StepReport` (phasescope.engine.vllm.stats turns vLLM's
-`SchedulerStats` and `IterationStats` into it: the step, the output batch's inter-token gaps, the scheduler's
-state) through a `StepForwarder`, which hands it to the aggregator (`aggregator.StepAggregator`).
+Each engine core reports every step as one `StepReport` (phasescope.engine.vllm.core_telemetry builds it where
+the step runs: the step, the output batch's inter-token gaps, the scheduler's state), publishes it to the hub
+(`transport`), and the hub hands it to a `StepForwarder`, which hands it to the aggregator
+(`aggregator.StepAggregator`) on the event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -91,28 +93,67 @@ class SchedulerState:
 
 
 @dataclass(frozen=True, slots=True)
+class PublisherHealth:
+    """What watching costs an engine core, since it started (cumulative; phasescope.telemetry.step.transport)."""
+
+    engine: int
+    dropped_reports: int
+    """Reports the engine core's publisher dropped rather than wait (its queue full, or the hub slow or gone)."""
+    hook_seconds: float
+    """Time the engine loop spent building and queueing reports."""
+    hook_calls: int
+    """Engine steps the hook ran for."""
+
+
+@dataclass(frozen=True, slots=True)
 class StepReport:
-    """One stats update of the engine, each part None when it has none."""
+    """One step of an engine core, each part None when it has none."""
 
     iteration: EngineIteration | None = None
     scheduler: SchedulerState | None = None
     step: StepRecord | None = None
+    publisher: PublisherHealth | None = None
 
 
 class StepForwarder:
-    """Where the engine's stats updates go; an update made before a sink is attached is dropped.
+    """Where the engine's step reports go; a report made before a sink is attached is dropped.
 
-    The engine needs its stat logger before it starts, the aggregator needs the engine's dtype and device,
-    which are known only after: this sits between. Nothing a sink raises reaches the engine (vLLM would fail
-    every request in flight): it goes to `on_error`.
+    The engine's cores publish from the moment they start, the aggregator needs the engine's dtype and device,
+    which are known only after: this sits between. Nothing a sink raises reaches the hub: it goes to `on_error`.
     """
 
     def __init__(self, on_error: Callable[[str, BaseException], None] = lambda component, exc: None) -> None:
         self.sink: Callable[[StepReport], None] | None = None
         self.on_error = on_error
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach(self, sink: Callable[[StepReport], None]) -> None:
+        """Hand reports to `sink` from now on, on the event loop this is called from (if any)."""
+        try:
+            self._loop = asyncio.get_running_loop()
+        except RuntimeError:
+            self._loop = None
+        self.sink = sink
 
     def failed(self, exc: BaseException) -> None:
         self.on_error("step", exc)
+
+    def report_batch(self, reports: list[StepReport]) -> None:
+        """Reports from another thread (the hub's): handed to the sink on the event loop, in order."""
+        loop = self._loop
+        if self.sink is None:
+            return
+        if loop is None:
+            self._report_all(reports)
+            return
+        try:
+            loop.call_soon_threadsafe(self._report_all, reports)
+        except RuntimeError:  # the loop has closed: the server is stopping
+            return
+
+    def _report_all(self, reports: list[StepReport]) -> None:
+        for report in reports:
+            self.report(report)
 
     def report(self, report: StepReport) -> None:
         if self.sink is None:

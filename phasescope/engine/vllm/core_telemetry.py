@@ -1,0 +1,281 @@
+"""phasescope's telemetry inside each engine core: vLLM's scheduler, with every step reported where it runs.
+
+vLLM loads a scheduler class by name in each engine core (`--scheduler-cls`, an ordinary engine argument), whatever
+front end drives the core: phasescope's own, smg's Rust request path, vLLM's OpenAI server. `TelemetryScheduler`
+(or `AsyncTelemetryScheduler` under vLLM's async scheduling) schedules exactly as vLLM's does and, once per step,
+turns what the step did into a `StepReport` (phasescope.telemetry.step.records) that its publisher sends to the
+hub named by `PHASESCOPE_TELEMETRY_ENDPOINT` (phasescope.telemetry.step.transport). Without that variable it is
+vLLM's scheduler and nothing more.
+
+Where each figure comes from, all in the engine core:
+- the step's work: vLLM's own `compute_iteration_details` of the scheduler output (prompt chunks and decodes);
+- its FLOPs and bytes: vLLM's `PerfStats` of the step (`--enable-mfu-metrics`), taken as the scheduler makes its
+  stats;
+- its time: from the moment the scheduler's batch was handed to the executor (the end of `schedule`, or the end of
+  the previous step's update when steps overlap) to the moment its output came back (`update_from_output`);
+- the inter-token gaps: each request's new tokens against its previous ones, on the output batch's own timestamp
+  (`EngineCoreOutputs.timestamp`, which vLLM's front end takes as `first_token_ts` and `last_token_ts`);
+- preemptions: the PREEMPTED events the step's outputs carry (as vLLM's front end counts them);
+- the scheduler's state: its running and waiting queues and the KV cache's usage after the step.
+
+`SchedulerStats` and the scheduler's internals are documented by vLLM as unstable: this module is the only
+reader of them. Nothing here may raise into the engine loop (it would fail every request in flight): a step whose
+report cannot be made is counted as dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.engine import EngineCoreEventType
+from vllm.v1.utils import compute_iteration_details
+
+from phasescope.environment import env_telemetry_endpoint
+from phasescope.telemetry.step.records import (
+    EngineIteration,
+    SchedulerState,
+    SpeculativeStep,
+    StepRecord,
+    StepReport,
+)
+from phasescope.telemetry.step.transport import StepPublisher
+from phasescope.telemetry.step.window import wait_reason
+
+logger = logging.getLogger(__name__)
+
+_PREEMPTED = EngineCoreEventType.PREEMPTED
+
+
+def decode_tokens(generation_requests: int, generation_tokens: int, max_decode_tokens_per_request: int) -> int:
+    """Positions decode computed in a step. vLLM counts a request resumed after preemption as "generation" (it has
+    output tokens) while it recomputes its whole sequence: beyond one token per decoding sequence (plus its drafts
+    when speculating) that is prefill work."""
+    return min(generation_tokens, generation_requests * max_decode_tokens_per_request)
+
+
+def speculative_step(stats: Any) -> SpeculativeStep | None:
+    """The step's verification, from vLLM's `SpecDecodingStats` (None: no draft was verified this step)."""
+    if stats is None or not stats.num_drafts:
+        return None
+    return SpeculativeStep(
+        drafts=stats.num_drafts,
+        drafted_tokens=stats.num_draft_tokens,
+        accepted_tokens=stats.num_accepted_tokens,
+        accepted_by_position=tuple(stats.num_accepted_tokens_per_pos),
+        drafted_by_position=tuple(stats.num_draft_tokens_per_pos),
+    )
+
+
+class CoreTelemetry:
+    """One engine core's step accounting: what the scheduler's hooks hand it, made into one report per step."""
+
+    def __init__(
+        self, scheduler: Scheduler, publisher: StepPublisher, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        config = scheduler.vllm_config
+        self._clock = clock
+        self.engine = publisher.engine
+        self._scheduler = scheduler
+        self._publisher = publisher
+        # What ends the scheduler's admission of waiting requests in a step, beside the KV cache.
+        self._max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        self._token_budget = int(config.scheduler_config.max_num_batched_tokens)
+        speculative = config.speculative_config
+        # A decoding sequence computes one new token per step, plus its draft tokens when speculating.
+        self._max_decode_tokens_per_request = 1 + (
+            (speculative.num_speculative_tokens or 0) if speculative is not None else 0
+        )
+        self._cache_config = config.cache_config
+        # When each scheduled batch went to the executor, by the scheduler output's identity.
+        self._handed_at: dict[int, float] = {}
+        self._last_update_end = 0.0
+        # Each request's last token time (the output batch's timestamp), for its next inter-token gap.
+        self._last_token_at: dict[str, float] = {}
+        # The step's PerfStats and SpecDecodingStats, as the scheduler passes them to `make_stats`.
+        self._perf: Any = None
+        self._speculation: Any = None
+        self._in_update = False
+
+    def scheduled(self, scheduler_output: Any) -> None:
+        self._handed_at[id(scheduler_output)] = self._clock()
+
+    def stats_made(self, perf_stats: Any, spec_decoding_stats: Any) -> None:
+        if self._in_update:
+            self._perf, self._speculation = perf_stats, spec_decoding_stats
+
+    def updating(self) -> float:
+        """The step's output is back: its time ends now."""
+        self._in_update = True
+        self._perf = self._speculation = None
+        return self._clock()
+
+    def finished(self, request_ids: Any) -> None:
+        """Requests finished from outside the scheduler (aborted; None: all of them): no more gaps for them."""
+        if request_ids is None:
+            self._last_token_at.clear()
+            return
+        for request_id in (request_ids,) if isinstance(request_ids, str) else request_ids:
+            self._last_token_at.pop(request_id, None)
+
+    def updated(self, scheduler_output: Any, outputs: dict[int, Any], returned_at: float) -> None:
+        """After the scheduler took in a step's output: build its report and hand it to the publisher."""
+        began = self._clock()
+        self._in_update = False
+        publisher = self._publisher
+        try:
+            started = max(self._handed_at.pop(id(scheduler_output), returned_at), self._last_update_end)
+            publisher.publish(self._report(scheduler_output, outputs, returned_at - started))
+        except Exception:
+            publisher.dropped_reports += 1
+            logger.exception("phasescope could not account an engine step; it is dropped")
+        self._last_update_end = ended = self._clock()
+        # What this hook cost the engine loop (the other hooks are a clock read each).
+        publisher.hook_seconds += ended - began
+        publisher.hook_calls += 1
+
+    def close(self) -> None:
+        self._publisher.close()
+
+    def _iteration(self, outputs: dict[int, Any]) -> EngineIteration | None:
+        gaps: list[float] = []
+        preemptions = 0
+        last_token_at = self._last_token_at
+        for batch in outputs.values():
+            at = batch.timestamp
+            for output in batch.outputs:
+                request_id = output.request_id
+                if output.events:
+                    preemptions += sum(1 for event in output.events if event.type == _PREEMPTED)
+                if output.new_token_ids:
+                    previous = last_token_at.get(request_id)
+                    if previous is not None:
+                        gaps.append(at - previous)
+                    last_token_at[request_id] = at
+                if output.finish_reason is not None:
+                    last_token_at.pop(request_id, None)
+            for request_id in batch.finished_requests or ():
+                last_token_at.pop(request_id, None)
+        if not gaps and not preemptions:
+            return None
+        return EngineIteration(engine=self.engine, inter_token_seconds=gaps, preemptions=preemptions)
+
+    def _report(self, scheduler_output: Any, outputs: dict[int, Any], elapsed_seconds: float) -> StepReport:
+        scheduler = self._scheduler
+        iteration = self._iteration(outputs)
+        running, waiting = scheduler.get_request_counts()
+        deferred = len(scheduler.deferred_waiting)
+        kv_cache_usage = float(scheduler.kv_cache_manager.usage)
+        scheduled = int(scheduler_output.total_num_scheduled_tokens)
+        state = SchedulerState(
+            engine=self.engine,
+            running=running,
+            waiting=waiting - deferred,
+            kv_cache_usage=kv_cache_usage,
+            # Waiting requests the scheduler skips while blocked (a structured output's grammar still compiling).
+            deferred=deferred,
+            reason=wait_reason(
+                running,
+                self._max_num_seqs,
+                scheduled,
+                self._token_budget,
+                iteration is not None and iteration.preemptions > 0,
+            ),
+        )
+        if not scheduled:
+            return StepReport(iteration=iteration, scheduler=state)
+        details = compute_iteration_details(scheduler_output)
+        decode = decode_tokens(
+            details.num_generation_requests, details.num_generation_tokens, self._max_decode_tokens_per_request
+        )
+        perf = self._perf
+        capacity_tokens = (self._cache_config.num_gpu_blocks or 0) * (self._cache_config.block_size or 0)
+        step = StepRecord(
+            engine=self.engine,
+            prefill_requests=details.num_ctx_requests,
+            prefill_tokens=details.num_ctx_tokens + details.num_generation_tokens - decode,
+            decode_requests=details.num_generation_requests,
+            decode_tokens=decode,
+            elapsed_seconds=elapsed_seconds,
+            flops=float(perf.num_flops_per_gpu) if perf is not None else None,
+            read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
+            written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
+            kv_cache_tokens=round(kv_cache_usage * capacity_tokens),
+            speculative=speculative_step(self._speculation),
+        )
+        return StepReport(iteration=iteration, scheduler=state, step=step)
+
+
+def _core_telemetry(scheduler: Scheduler) -> CoreTelemetry | None:
+    endpoint = env_telemetry_endpoint()
+    if not endpoint:
+        return None
+    engine = int(scheduler.vllm_config.parallel_config.data_parallel_index)
+    publisher = StepPublisher(endpoint, engine)
+    publisher.start()
+    logger.info("phasescope's step telemetry: engine core %d publishes to %s", engine, endpoint)
+    return CoreTelemetry(scheduler, publisher)
+
+
+class TelemetryScheduler(Scheduler):
+    """vLLM's scheduler, each step reported to phasescope's hub (`--scheduler-cls` names it)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.phasescope_telemetry = _core_telemetry(self)
+
+    def schedule(self, *args: Any, **kwargs: Any) -> Any:
+        scheduler_output = super().schedule(*args, **kwargs)
+        if self.phasescope_telemetry is not None:
+            self.phasescope_telemetry.scheduled(scheduler_output)
+        return scheduler_output
+
+    def make_stats(
+        self,
+        spec_decoding_stats: Any = None,
+        kv_connector_stats: Any = None,
+        cudagraph_stats: Any = None,
+        perf_stats: Any = None,
+        ec_connector_stats: Any = None,
+    ) -> Any:
+        if self.phasescope_telemetry is not None:
+            self.phasescope_telemetry.stats_made(perf_stats, spec_decoding_stats)
+        return super().make_stats(
+            spec_decoding_stats, kv_connector_stats, cudagraph_stats, perf_stats, ec_connector_stats=ec_connector_stats
+        )
+
+    def update_from_output(self, scheduler_output: Any, model_runner_output: Any) -> Any:
+        telemetry = self.phasescope_telemetry
+        if telemetry is None:
+            return super().update_from_output(scheduler_output, model_runner_output)
+        returned_at = telemetry.updating()
+        outputs = super().update_from_output(scheduler_output, model_runner_output)
+        telemetry.updated(scheduler_output, outputs, returned_at)
+        return outputs
+
+    def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
+        if self.phasescope_telemetry is not None:
+            self.phasescope_telemetry.finished(request_ids)
+        return super().finish_requests(request_ids, finished_status)
+
+    def shutdown(self) -> None:
+        super().shutdown()
+        if self.phasescope_telemetry is not None:
+            self.phasescope_telemetry.close()
+
+
+class AsyncTelemetryScheduler(TelemetryScheduler, AsyncScheduler):
+    """vLLM's async scheduler (`--async-scheduling`), each step reported to phasescope's hub."""
+
+
+TELEMETRY_SCHEDULER = f"{__name__}.TelemetryScheduler"
+ASYNC_TELEMETRY_SCHEDULER = f"{__name__}.AsyncTelemetryScheduler"
+
+
+def telemetry_scheduler(async_scheduling: bool) -> str:
+    """The scheduler class to name for an engine (vLLM's async scheduling has a scheduler of its own)."""
+    return ASYNC_TELEMETRY_SCHEDULER if async_scheduling else TELEMETRY_SCHEDULER

@@ -1,0 +1,153 @@
+"""The step reports' way out of the engine core: a publisher that never blocks the engine loop, one hub that hears
+every engine core, over real ZMQ sockets."""
+
+import asyncio
+import threading
+from collections.abc import Callable
+
+import zmq
+
+from phasescope.telemetry.step.records import (
+    EngineIteration,
+    PublisherHealth,
+    SchedulerState,
+    SpeculativeStep,
+    StepForwarder,
+    StepRecord,
+    StepReport,
+)
+from phasescope.telemetry.step.transport import ReportBatch, StepHub, StepPublisher, decode, encode
+
+
+def report(engine: int, decode_tokens: int = 4) -> StepReport:
+    return StepReport(
+        iteration=EngineIteration(engine, [0.01, 0.02], 1),
+        scheduler=SchedulerState(engine, 4, 2, 0.5, 1, "slot"),
+        step=StepRecord(
+            engine, 1, 30, decode_tokens, decode_tokens, 0.02, 1e9, 2e8, 1e6, 800, SpeculativeStep(2, 6, 3, (2, 1, 0))
+        ),
+    )
+
+
+class Received:
+    """What a hub delivered, and a way to wait until it holds enough."""
+
+    def __init__(self) -> None:
+        self.reports: list[StepReport] = []
+        self._changed = threading.Condition()
+
+    def __call__(self, reports: list[StepReport]) -> None:
+        with self._changed:
+            self.reports.extend(reports)
+            self._changed.notify_all()
+
+    def wait_for(self, condition: Callable[[list[StepReport]], bool], timeout: float = 10.0) -> bool:
+        with self._changed:
+            return self._changed.wait_for(lambda: condition(self.reports), timeout)
+
+
+def steps(reports: list[StepReport]) -> list[StepRecord]:
+    return [report.step for report in reports if report.step is not None]
+
+
+def test_a_batch_is_the_same_on_both_sides_of_the_wire() -> None:
+    batch = ReportBatch([report(0), StepReport(scheduler=SchedulerState(0, 0, 0, 0.0))], PublisherHealth(0, 2, 0.5, 9))
+    assert decode(encode(batch)) == batch
+
+
+def test_every_engine_cores_reports_reach_the_one_hub_in_order_with_each_publishers_health() -> None:
+    received = Received()
+    hub = StepHub(received).start()
+    publishers = [StepPublisher(hub.endpoint, engine) for engine in (0, 1)]
+    try:
+        for publisher in publishers:
+            publisher.start()
+        for tokens in range(1, 51):
+            for publisher in publishers:
+                publisher.publish(report(publisher.engine, tokens))
+        assert received.wait_for(lambda reports: len(steps(reports)) == 100)
+        for engine in (0, 1):
+            of_engine = [step.decode_tokens for step in steps(received.reports) if step.engine == engine]
+            assert of_engine == list(range(1, 51))
+        healths = [report.publisher for report in received.reports if report.publisher is not None]
+        assert {health.engine for health in healths} == {0, 1}
+        assert all(health.dropped_reports == 0 for health in healths)
+    finally:
+        for publisher in publishers:
+            publisher.close()
+        hub.close()
+
+
+def test_a_full_queue_drops_and_counts_the_newest_report_without_waiting() -> None:
+    # The engine loop never waits on telemetry: the publisher's thread has not taken anything yet.
+    publisher = StepPublisher("ipc:///nowhere", 0, queue_reports=2)
+    for tokens in range(5):
+        publisher.publish(report(0, tokens))
+    assert publisher.dropped_reports == 3
+    assert [item.step.decode_tokens for item in publisher._queue if item.step is not None] == [0, 1]
+
+
+def test_with_no_hub_listening_the_publisher_drops_and_counts_and_stops_when_closed() -> None:
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    # A hub's address that no hub holds: the sends find no peer.
+    probe = context.socket(zmq.PULL)
+    port = probe.bind_to_random_port("tcp://127.0.0.1")
+    probe.close(linger=0)
+    publisher = StepPublisher(f"tcp://127.0.0.1:{port}", 0)
+    publisher.start()
+    publisher.publish(report(0))
+    publisher.close(timeout_seconds=5.0)
+    assert publisher.dropped_reports == 1
+    assert publisher._thread is not None
+    assert not publisher._thread.is_alive()
+
+
+def test_a_message_that_is_not_a_batch_costs_that_message_only() -> None:
+    received, errors = Received(), list[BaseException]()
+    hub = StepHub(received, on_error=errors.append).start()
+    context: zmq.Context[zmq.Socket[bytes]] = zmq.Context.instance()
+    sender = context.socket(zmq.PUSH)
+    sender.connect(hub.endpoint)
+    try:
+        sender.send(b"not a batch")
+        sender.send(encode(ReportBatch([report(3)], PublisherHealth(3, 0, 0.0, 1))))
+        assert received.wait_for(lambda reports: len(steps(reports)) == 1)
+        assert len(errors) == 1
+    finally:
+        sender.close(linger=0)
+        hub.close()
+
+
+def test_a_hub_can_listen_on_tcp_for_engine_cores_started_elsewhere() -> None:
+    received = Received()
+    hub = StepHub(received, "tcp://127.0.0.1:0").start()
+    publisher = StepPublisher(hub.endpoint, 0)
+    try:
+        assert hub.endpoint.startswith("tcp://127.0.0.1:")
+        assert not hub.endpoint.endswith(":0")
+        publisher.start()
+        publisher.publish(report(0))
+        assert received.wait_for(lambda reports: len(steps(reports)) == 1)
+    finally:
+        publisher.close()
+        hub.close()
+
+
+async def test_reports_from_the_hubs_thread_reach_the_sink_on_the_event_loop() -> None:
+    loop_thread = threading.get_ident()
+    seen: list[tuple[int, StepReport]] = []
+    forward = StepForwarder()
+    forward.attach(lambda item: seen.append((threading.get_ident(), item)))
+    hub = StepHub(forward.report_batch).start()
+    publisher = StepPublisher(hub.endpoint, 0)
+    publisher.start()
+    try:
+        publisher.publish(report(0))
+        for _ in range(500):
+            if any(item.step is not None for _, item in seen):
+                break
+            await asyncio.sleep(0.01)
+        assert [thread for thread, item in seen if item.step is not None] == [loop_thread]
+    finally:
+        publisher.close()
+        hub.close()
