@@ -53,6 +53,11 @@ def export_telemetry_endpoint(endpoint: str) -> None:
     os.environ[TELEMETRY_ENDPOINT] = endpoint
 
 
+def choose_rust_servicer() -> None:
+    """smg-grpc-servicer's switch to its Rust request path (SMG_VLLM_SERVICER_IMPL), for this process."""
+    os.environ["SMG_VLLM_SERVICER_IMPL"] = "rust"
+
+
 def env_xdg_cache_home() -> str | None:
     return os.environ.get("XDG_CACHE_HOME")
 

@@ -38,6 +38,8 @@ class EngineOptions:
     kv_transfer_config: str = ""
     """vLLM's `KVTransferConfig` as a JSON object: the KV connector of a disaggregated prefill/decode pool (empty:
     none)."""
+    telemetry_listen: str = ""
+    """Where the hub the engine cores publish their steps to binds (a ZMQ address; empty: a private ipc path)."""
 
 
 class EngineConfigError(ValueError):

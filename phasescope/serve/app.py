@@ -25,11 +25,13 @@ from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metri
 
 from phasescope.engine.base import Engine, EngineConfigError
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
-from phasescope.environment import env_cuda_devices
+from phasescope.engine.vllm import TELEMETRY_SCHEDULER
+from phasescope.environment import TELEMETRY_ENDPOINT, env_auth_tokens, env_cuda_devices, export_telemetry_endpoint
 from phasescope.serve.auth import server_credentials
 from phasescope.serve.build import Built, build_server
 from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
+from phasescope.serve.hub import hub_telemetry
 from phasescope.serve.peaks import per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_counters
@@ -300,7 +302,43 @@ def serve(settings: Settings, factory: Callable[[], asyncio.AbstractEventLoop] |
     """Run the server on the loop `factory` makes (None: asyncio's) until it is stopped; the exit code."""
     logger.info("event loop: %s", "uvloop" if factory is not None else "asyncio")
     with asyncio.Runner(loop_factory=factory) as runner:
-        return runner.run(Server(settings).run())
+        if settings.front_end == "python":
+            return runner.run(Server(settings).run())
+        return runner.run(serve_behind_another_front_end(settings))
+
+
+async def serve_behind_another_front_end(settings: Settings, registry: CollectorRegistry = REGISTRY) -> int:
+    """phasescope's physics behind a request path that is not phasescope's (`--front-end rust` or `external`): the
+    telemetry hub and /metrics, and for rust smg's Rust server over engine cores started here; the exit code."""
+    disable_created_metrics()  # type: ignore[no-untyped-call]  # prometheus-client leaves it unannotated
+    if settings.front_end == "rust" and env_auth_tokens():
+        logger.error("--front-end rust: smg's Rust server checks no bearer tokens; unset PHASESCOPE_AUTH_TOKENS")
+        return 2
+    async with hub_telemetry(settings, registry) as telemetry:
+        if settings.front_end == "external":
+            logger.info(
+                "serving the telemetry of engine cores started elsewhere: start them with "
+                "%s=%s and --scheduler-cls %s --enable-mfu-metrics",
+                TELEMETRY_ENDPOINT,
+                telemetry.endpoint,
+                TELEMETRY_SCHEDULER,
+            )
+            stop = asyncio.Event()
+            loop = asyncio.get_running_loop()
+            for signum in (signal.SIGTERM, signal.SIGINT):
+                loop.add_signal_handler(signum, stop.set)
+            await stop.wait()
+            return 0
+        from phasescope.engine.vllm.rust_front_end import serve_rust
+
+        model_path, model_name = await asyncio.to_thread(resolve_model, settings)
+        # The engine cores the Rust server starts inherit the hub's address.
+        export_telemetry_endpoint(telemetry.endpoint)
+        try:
+            return await serve_rust(settings.engine_options(), model_path, model_name, settings.host, settings.port)
+        except EngineConfigError as exc:
+            logger.error("the engine refused its configuration: %s", exc)
+            return 2
 
 
 def freeze_startup_heap(young_threshold: int) -> tuple[int, int]:

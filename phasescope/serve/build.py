@@ -26,7 +26,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry
 
-from phasescope.engine.base import Engine
+from phasescope.engine.base import Engine, ModelDescription
 from phasescope.environment import env_auth_tokens
 from phasescope.serve.admission import Admission
 from phasescope.serve.auth import BearerTokenInterceptor, caller_identity, load_tokens
@@ -45,7 +45,7 @@ from phasescope.telemetry.live import LatencyFigures, RecentLatencies
 from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
-from phasescope.telemetry.step.aggregator import EngineView, StepAggregator
+from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import Drafter
 from phasescope.telemetry.step.prometheus import StepMetrics
 from phasescope.telemetry.step.records import StepForwarder
@@ -92,6 +92,38 @@ class LiveTelemetry:
         return self._recent.rejected
 
 
+def step_aggregator(
+    settings: Settings,
+    description: ModelDescription,
+    peaks: HardwarePeaks,
+    sinks: tuple[StepSink, ...],
+    pipeline: TelemetryPipeline,
+    on_error: Callable[[str, BaseException], None],
+) -> StepAggregator:
+    """The engine's steps judged against `peaks` (each engine's), as the settings say to judge them."""
+    return StepAggregator(
+        description.cost,
+        description.dtype,
+        peaks,
+        engines=description.data_parallel_size,
+        window_seconds=settings.metrics_window_seconds,
+        headroom_limits=HeadroomLimits(
+            bandwidth=settings.headroom_bandwidth,
+            compute=settings.headroom_compute,
+            kv_cache=settings.headroom_kv_cache,
+            queue=settings.headroom_queue,
+        ),
+        cost_per_hour=engine_cost_per_hour(settings, description),
+        sinks=sinks,
+        kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
+        pipeline=pipeline,
+        on_error=on_error,
+        drafter=Drafter(speculative.num_speculative_tokens, speculative.draft_cost)
+        if (speculative := description.speculative) is not None
+        else None,
+    )
+
+
 @dataclass
 class Built:
     """A server's parts, wired; the gRPC server is not started."""
@@ -116,27 +148,9 @@ class Built:
 
     def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> StepAggregator:
         """Wire a started engine in: its steps judged against `peaks` (each engine's), its requests served."""
-        settings, description = self.settings, engine.description
-        aggregator = StepAggregator(
-            description.cost,
-            description.dtype,
-            peaks,
-            engines=description.data_parallel_size,
-            window_seconds=settings.metrics_window_seconds,
-            headroom_limits=HeadroomLimits(
-                bandwidth=settings.headroom_bandwidth,
-                compute=settings.headroom_compute,
-                kv_cache=settings.headroom_kv_cache,
-                queue=settings.headroom_queue,
-            ),
-            cost_per_hour=engine_cost_per_hour(settings, description),
-            sinks=(self.recent,),
-            kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
-            pipeline=self.pipeline,
-            on_error=self.telemetry_errors,
-            drafter=Drafter(speculative.num_speculative_tokens, speculative.draft_cost)
-            if (speculative := description.speculative) is not None
-            else None,
+        description = engine.description
+        aggregator = step_aggregator(
+            self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
         )
         StepMetrics(self.model_name, aggregator, self.registry)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs

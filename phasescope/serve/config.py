@@ -117,6 +117,10 @@ class _EnvironmentSource(PydanticBaseSettingsSource):
         return values
 
 
+DEFAULT_EXTERNAL_HUB = "tcp://127.0.0.1:5590"
+"""Where the hub listens for engine cores started by another front end, unless --telemetry-listen says."""
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, frozen=True, use_attribute_docstrings=True)
 
@@ -237,6 +241,16 @@ class Settings(BaseSettings):
     """vLLM's KV connector, for a disaggregated prefill/decode pool, as JSON in vLLM's shape (--kv-transfer-config
     of vLLM), e.g. {"kv_connector": "NixlConnector", "kv_role": "kv_both"}: GetServerInfo reports the connector,
     role and engine id, and requests' kv_transfer_params reach it; empty: none (such requests are refused)."""
+    front_end: Literal["python", "rust", "external"] = "python"
+    """Who runs the request path: python, phasescope's own (both protocols, every stage of every request); rust,
+    smg's Rust request path for vLLM's engine protocol (smg-grpc-servicer's VllmGrpcServer: less CPU per token,
+    sooner first tokens; no phasescope.v1, admission, TLS, tokens or frontend/intake stages), with phasescope's
+    step and engine-side request series; external, a front end started elsewhere (vLLM's OpenAI server, say) whose
+    engine cores run phasescope's scheduler and publish to --telemetry-listen: only the hub and /metrics."""
+    telemetry_listen: str = ""
+    """ZMQ address the telemetry hub binds, where every engine core publishes its steps (tcp://HOST:PORT); empty:
+    a private ipc path for the engine cores this server starts (they inherit it), tcp://127.0.0.1:5590 with
+    --front-end external."""
     event_loop: Literal["auto", "uvloop", "asyncio"] = "auto"
     """The front end's event loop: uvloop (as vLLM's own servers run), asyncio, or auto (uvloop when installed)."""
     gc_young_threshold: NoneOrMore = 0
@@ -271,6 +285,15 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
+    def _rust_front_end_has_no_tls(self) -> Self:
+        if self.front_end == "rust" and (self.tls_cert_file or self.auth_tokens_file):
+            raise ValueError(
+                "--front-end rust: smg's Rust server does no TLS and checks no bearer tokens; leave out "
+                "--tls-cert-file and --auth-tokens-file (or put the gateway's TLS in front)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _tls_files_go_together(self) -> Self:
         problems = []
         if bool(self.tls_cert_file) != bool(self.tls_key_file):
@@ -280,6 +303,13 @@ class Settings(BaseSettings):
         if problems:
             raise ValueError("\n".join(problems))
         return self
+
+    @property
+    def effective_telemetry_listen(self) -> str:
+        """Where the hub binds (empty: a private ipc path)."""
+        if self.telemetry_listen or self.front_end != "external":
+            return self.telemetry_listen
+        return DEFAULT_EXTERNAL_HUB
 
     @property
     def effective_metrics_host(self) -> str:
@@ -301,6 +331,7 @@ class Settings(BaseSettings):
             max_model_len=self.max_model_len,
             enforce_eager=self.enforce_eager,
             max_num_seqs=self.max_concurrent_requests,
+            telemetry_listen=self.effective_telemetry_listen,
             max_num_batched_tokens=self.max_num_batched_tokens,
             stream_interval=self.stream_interval,
             tensor_parallel_size=self.tensor_parallel_size,

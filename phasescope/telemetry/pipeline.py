@@ -79,7 +79,7 @@ class TelemetryPipeline:
         self.waits = waits if waits is not None else FirstTokenWaits()
         self._batch = max(1, batch)
         self._longest_wait = longest_wait_seconds
-        self._on_error = on_error
+        self.on_error = on_error
         self._held: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._lock = threading.Lock()
         # One delivery at a time (the event loop's, a scrape's), so reports arrive in the order they came.
@@ -111,7 +111,7 @@ class TelemetryPipeline:
                 try:
                     deliver(*args)
                 except Exception as exc:  # a report that cannot be delivered costs that report only
-                    self._on_error("step", exc)  # the engine's reports (observers contain their own)
+                    self.on_error("step", exc)  # the engine's reports (observers contain their own)
 
     def scrape_hook(self) -> Collector:
         """Register it in a registry before the series it feeds: a registry collects in registration order."""

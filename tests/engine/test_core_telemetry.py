@@ -11,6 +11,7 @@ from typing import Any
 
 from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs, FinishReason
 from vllm.v1.metrics.perf import PerfStats
+from vllm.v1.metrics.stats import PrefillStats
 
 from phasescope.engine.vllm.core_telemetry import CoreTelemetry, decode_tokens
 from phasescope.telemetry.step.records import StepReport
@@ -153,18 +154,68 @@ def test_inter_token_gaps_are_taken_on_the_output_batches_own_timestamps() -> No
     step(telemetry, clock, scheduled({"b": 30}, {"a": 1}), [output("a"), output("b")], seconds=0.05)
     step(telemetry, clock, scheduled({}, {"a": 1, "b": 1}), [output("a", finished=True), output("b")], seconds=0.02)
     gaps = [report.iteration.inter_token_seconds for report in publisher.reports if report.iteration is not None]
-    assert [[round(gap, 9) for gap in step_gaps] for step_gaps in gaps] == [[0.05], [0.02, 0.02]]
+    assert [[round(gap, 9) for gap in step_gaps] for step_gaps in gaps] == [[], [0.05], [0.02, 0.02]]
     # A finished request is forgotten: the same id again is a new request, with no gap to the old one.
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
-    assert publisher.reports[-1].iteration is None
+    iteration = publisher.reports[-1].iteration
+    assert iteration is not None
+    assert list(iteration.inter_token_seconds) == []
 
 
-def test_an_aborted_request_is_forgotten() -> None:
+def test_an_aborted_request_is_recorded_at_once_and_forgotten() -> None:
     telemetry, publisher, clock = made()
+    telemetry.added(SimpleNamespace(request_id="a", num_prompt_tokens=30))
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
-    telemetry.finished(["a"])  # the front end aborted it
+    telemetry.aborted(["a"], {})  # the front end aborted it (no step carries it: it is published on its own)
+    (record,) = publisher.reports[-1].finished
+    assert (record.finish_reason, record.prompt_tokens, record.output_tokens) == ("abort", 30, 1)
+    # The same id again is a new request, with no gap to the old one.
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
-    assert publisher.reports[-1].iteration is None
+    iteration = publisher.reports[-1].iteration
+    assert iteration is not None
+    assert list(iteration.inter_token_seconds) == []
+
+
+def test_a_request_aborted_while_queued_keeps_the_stamps_the_engine_had_not_sent_yet() -> None:
+    telemetry, publisher, _ = made()
+    telemetry.added(SimpleNamespace(request_id="q", num_prompt_tokens=12))
+    queued = SimpleNamespace(events=[EngineCoreEvent.new_event(EngineCoreEventType.QUEUED, 7.5)])
+    telemetry.aborted("q", {"q": queued})
+    (record,) = publisher.reports[-1].finished
+    assert (record.queued_ts, record.scheduled_ts, record.first_token_ts) == (7.5, 0.0, 0.0)
+
+
+def test_a_finished_request_carries_the_engines_stamps_and_counts_as_vllms_front_end_derives_them() -> None:
+    telemetry, publisher, clock = made()
+    telemetry.added(SimpleNamespace(request_id="a", num_prompt_tokens=30))
+    first = EngineCoreOutput(
+        request_id="a",
+        new_token_ids=[1],
+        prefill_stats=PrefillStats(num_prompt_tokens=30, num_computed_tokens=14, num_cached_tokens=16),
+        events=[
+            EngineCoreEvent.new_event(EngineCoreEventType.QUEUED, 100.0),
+            EngineCoreEvent.new_event(EngineCoreEventType.SCHEDULED, 100.01),
+        ],
+    )
+    step(telemetry, clock, scheduled({"a": 14}, {}), [first], seconds=0.1)  # the output batch at 100.1
+    rescheduled = EngineCoreOutput(
+        request_id="a",
+        new_token_ids=[2, 3],
+        events=[
+            EngineCoreEvent.new_event(EngineCoreEventType.PREEMPTED, 100.12),
+            EngineCoreEvent.new_event(EngineCoreEventType.SCHEDULED, 100.13),
+        ],
+    )
+    step(telemetry, clock, scheduled({}, {"a": 2}), [rescheduled], seconds=0.05)  # at 100.15
+    step(telemetry, clock, scheduled({}, {"a": 1}), [output("a", finished=True)], seconds=0.05)  # at 100.2
+    (record,) = publisher.reports[-1].finished
+    assert (record.queued_ts, record.scheduled_ts) == (100.0, 100.01)  # the first SCHEDULED
+    assert round(record.first_token_ts, 9) == 100.1
+    assert round(record.last_token_ts, 9) == 100.2
+    assert (record.prompt_tokens, record.cached_prompt_tokens, record.output_tokens) == (30, 16, 4)
+    assert (record.finish_reason, record.preemptions, record.engine) == ("length", 1, 1)
+    emitted = [report.iteration.emitted_tokens for report in publisher.reports if report.iteration is not None]
+    assert emitted == [1, 2, 1]
 
 
 def test_preemptions_are_counted_from_the_outputs_events_and_name_the_kv_cache_as_the_wait() -> None:

@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiCo
 from vllm.v1.outputs import KVConnectorOutput
 
 from phasescope.bench.tiny_model import ensure_tiny_model
-from phasescope.engine.vllm.engine import _engine_config, _kv_transfer
+from phasescope.engine.vllm.engine import _kv_transfer, engine_config
 from phasescope.engine.vllm.kv_connector import PhasescopeConnector, StepMetadata, StepTransferMetadata, _Timer
 from phasescope.telemetry.request.phases import KvTransferFigures
 
@@ -51,7 +51,7 @@ def connector(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> PhasescopeConn
         )
     )
     assert kv is not None
-    config = _engine_config(
+    config = engine_config(
         AsyncEngineArgs(
             model=str(ensure_tiny_model()),
             kv_transfer_config=kv.engine_config,  # type: ignore[arg-type]  # vLLM's validation takes the JSON

@@ -12,7 +12,7 @@ import pytest
 
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.engine.base import EngineConfigError, KvConnector
-from phasescope.engine.vllm.engine import _engine_config, _kv_connector, _kv_transfer
+from phasescope.engine.vllm.engine import _kv_connector, _kv_transfer, engine_config
 
 EXAMPLE = {"kv_connector": "ExampleConnector", "kv_role": "kv_both"}
 
@@ -62,14 +62,14 @@ def test_with_both_json_configs_the_one_vllm_refuses_is_the_one_named() -> None:
         _kv_transfer(json.dumps({"kv_connector": "NoSuchConnector", "kv_role": "kv_both"}))
     assert str(kv.value).startswith("--kv-transfer-config: ")
     with pytest.raises(EngineConfigError) as speculative:
-        _engine_config(engine_args(wrapped(EXAMPLE), {"method": "ngram", "num_speculative_tokens": -1}))
+        engine_config(engine_args(wrapped(EXAMPLE), {"method": "ngram", "num_speculative_tokens": -1}))
     assert str(speculative.value).startswith("--speculative-config: ")
     assert "num_speculative_tokens" in str(speculative.value)
 
 
 def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_vllm_gave_it(tmp_path: Path) -> None:
     kv = wrapped({**EXAMPLE, "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)}})
-    config = _engine_config(engine_args(kv))
+    config = engine_config(engine_args(kv))
     connector = _kv_connector(kv.given)
     assert connector is not None
     assert (connector.connector, connector.role) == ("ExampleConnector", "kv_both")
@@ -87,7 +87,7 @@ def test_the_connector_vllm_accepts_is_reported_with_its_role_and_the_engine_id_
 
 def test_an_engine_id_the_operator_names_is_the_one_the_engine_and_its_connector_run_with() -> None:
     kv = wrapped({**EXAMPLE, "engine_id": "prefill-0", "kv_connector_extra_config": {"shared_storage_path": "x"}})
-    config = _engine_config(engine_args(kv))
+    config = engine_config(engine_args(kv))
     from vllm.distributed.kv_transfer.kv_connector.v1.multi_connector import MultiConnector
 
     ((_, child_config),) = MultiConnector._get_connector_classes_and_configs(config)

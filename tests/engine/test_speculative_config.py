@@ -9,7 +9,7 @@ import pytest
 
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.engine.base import EngineConfigError
-from phasescope.engine.vllm.engine import _engine_config, _speculation
+from phasescope.engine.vllm.engine import _speculation, engine_config
 
 
 def engine_args(speculative: dict[str, object]) -> object:
@@ -29,7 +29,7 @@ def test_a_speculative_config_vllm_refuses_is_one_line_naming_the_flag_and_field
     speculative: dict[str, object], named: str
 ) -> None:
     with pytest.raises(EngineConfigError) as caught:
-        _engine_config(engine_args(speculative))
+        engine_config(engine_args(speculative))
     message = str(caught.value)
     assert message.startswith("--speculative-config: ")
     assert named in message
@@ -37,7 +37,7 @@ def test_a_speculative_config_vllm_refuses_is_one_line_naming_the_flag_and_field
 
 
 def test_an_n_gram_config_vllm_accepts_is_its_own_k() -> None:
-    config = _engine_config(engine_args({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}))
+    config = engine_config(engine_args({"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}))
     assert (config.speculative_config.method, config.speculative_config.num_speculative_tokens) == ("ngram", 3)
 
 

@@ -35,9 +35,12 @@ from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.engine import EngineCoreEventType
 from vllm.v1.utils import compute_iteration_details
 
+from phasescope.engine.vllm import ASYNC_TELEMETRY_SCHEDULER, TELEMETRY_SCHEDULER
+from phasescope.engine.vllm.model_facts import engine_facts
 from phasescope.environment import env_telemetry_endpoint
 from phasescope.telemetry.step.records import (
     EngineIteration,
+    EngineRequestRecord,
     SchedulerState,
     SpeculativeStep,
     StepRecord,
@@ -48,7 +51,64 @@ from phasescope.telemetry.step.window import wait_reason
 
 logger = logging.getLogger(__name__)
 
+_QUEUED = EngineCoreEventType.QUEUED
+_SCHEDULED = EngineCoreEventType.SCHEDULED
 _PREEMPTED = EngineCoreEventType.PREEMPTED
+
+
+class _Request:
+    """What the engine core's outputs have said of one request so far (vLLM's front end keeps the same, in its
+    `RequestStateStats`, from the same outputs)."""
+
+    __slots__ = (
+        "cached",
+        "first_token",
+        "last_token",
+        "output_tokens",
+        "preemptions",
+        "prompt_tokens",
+        "queued",
+        "scheduled",
+    )
+
+    def __init__(self, prompt_tokens: int) -> None:
+        self.prompt_tokens = prompt_tokens
+        self.cached = 0
+        self.output_tokens = 0
+        self.preemptions = 0
+        self.queued = 0.0
+        self.scheduled = 0.0
+        self.first_token = 0.0
+        self.last_token = 0.0
+
+    def took(self, events: Any) -> int:
+        """The request's events (QUEUED, SCHEDULED, PREEMPTED); its preemptions among them."""
+        preempted = 0
+        for event in events:
+            kind = event.type
+            if kind == _QUEUED:
+                self.queued = event.timestamp
+            elif kind == _SCHEDULED:
+                if not self.scheduled:  # a preemption's rescheduling does not move it
+                    self.scheduled = event.timestamp
+            elif kind == _PREEMPTED:
+                preempted += 1
+        self.preemptions += preempted
+        return preempted
+
+    def record(self, engine: int, finish_reason: str) -> EngineRequestRecord:
+        return EngineRequestRecord(
+            engine=engine,
+            finish_reason=finish_reason,
+            prompt_tokens=self.prompt_tokens,
+            cached_prompt_tokens=self.cached,
+            output_tokens=self.output_tokens,
+            queued_ts=self.queued,
+            scheduled_ts=self.scheduled,
+            first_token_ts=self.first_token,
+            last_token_ts=self.last_token,
+            preemptions=self.preemptions,
+        )
 
 
 def decode_tokens(generation_requests: int, generation_tokens: int, max_decode_tokens_per_request: int) -> int:
@@ -94,8 +154,8 @@ class CoreTelemetry:
         # When each scheduled batch went to the executor, by the scheduler output's identity.
         self._handed_at: dict[int, float] = {}
         self._last_update_end = 0.0
-        # Each request's last token time (the output batch's timestamp), for its next inter-token gap.
-        self._last_token_at: dict[str, float] = {}
+        # Each request in the engine, by id: its stamps and counts so far.
+        self._requests: dict[str, _Request] = {}
         # The step's PerfStats and SpecDecodingStats, as the scheduler passes them to `make_stats`.
         self._perf: Any = None
         self._speculation: Any = None
@@ -114,13 +174,33 @@ class CoreTelemetry:
         self._perf = self._speculation = None
         return self._clock()
 
-    def finished(self, request_ids: Any) -> None:
-        """Requests finished from outside the scheduler (aborted; None: all of them): no more gaps for them."""
-        if request_ids is None:
-            self._last_token_at.clear()
-            return
-        for request_id in (request_ids,) if isinstance(request_ids, str) else request_ids:
-            self._last_token_at.pop(request_id, None)
+    def added(self, request: Any) -> None:
+        # vLLM adds a streaming-input request again with each of its updates: it is one request.
+        if request.request_id not in self._requests:
+            self._requests[request.request_id] = _Request(int(request.num_prompt_tokens))
+
+    def aborted(self, request_ids: Any, requests: dict[str, Any]) -> None:
+        """Requests finished from outside the scheduler (None: all of them), before vLLM frees them (`requests`: the
+        scheduler's): each one's record, published on its own (no step carries it)."""
+        try:
+            if request_ids is None:
+                ids: Any = list(self._requests)
+            else:
+                ids = (request_ids,) if isinstance(request_ids, str) else request_ids
+            finished = []
+            for request_id in ids:
+                state = self._requests.pop(request_id, None)
+                if state is None:
+                    continue
+                engine_request = requests.get(request_id)
+                if engine_request is not None and engine_request.events:  # stamped, not yet sent with an output
+                    state.took(engine_request.events)
+                finished.append(state.record(self.engine, "abort"))
+            if finished:
+                self._publisher.publish(StepReport(finished=tuple(finished)))
+        except Exception:
+            self._publisher.dropped_reports += 1
+            logger.exception("phasescope could not account an aborted request; it is dropped")
 
     def updated(self, scheduler_output: Any, outputs: dict[int, Any], returned_at: float) -> None:
         """After the scheduler took in a step's output: build its report and hand it to the publisher."""
@@ -141,32 +221,46 @@ class CoreTelemetry:
     def close(self) -> None:
         self._publisher.close()
 
-    def _iteration(self, outputs: dict[int, Any]) -> EngineIteration | None:
+    def _outputs(self, outputs: dict[int, Any]) -> tuple[EngineIteration | None, list[EngineRequestRecord]]:
+        """The output batch's gaps, preemptions and tokens, and the requests it finished (as vLLM's front end
+        derives them from the same outputs: `IterationStats.update_from_output`)."""
         gaps: list[float] = []
-        preemptions = 0
-        last_token_at = self._last_token_at
+        preemptions = emitted = 0
+        finished: list[EngineRequestRecord] = []
+        requests = self._requests
         for batch in outputs.values():
             at = batch.timestamp
             for output in batch.outputs:
                 request_id = output.request_id
+                state = requests.get(request_id)
+                if state is None:  # added before this core's telemetry began
+                    state = requests[request_id] = _Request(0)
                 if output.events:
-                    preemptions += sum(1 for event in output.events if event.type == _PREEMPTED)
-                if output.new_token_ids:
-                    previous = last_token_at.get(request_id)
-                    if previous is not None:
-                        gaps.append(at - previous)
-                    last_token_at[request_id] = at
+                    preemptions += state.took(output.events)
+                tokens = len(output.new_token_ids)
+                if tokens:
+                    emitted += tokens
+                    state.output_tokens += tokens
+                    if state.first_token:
+                        gaps.append(at - state.last_token)
+                    else:
+                        state.first_token = at
+                        if output.prefill_stats is not None:  # the prompt's computed and cached tokens
+                            state.cached = int(output.prefill_stats.num_cached_tokens)
+                    state.last_token = at
                 if output.finish_reason is not None:
-                    last_token_at.pop(request_id, None)
-            for request_id in batch.finished_requests or ():
-                last_token_at.pop(request_id, None)
-        if not gaps and not preemptions:
-            return None
-        return EngineIteration(engine=self.engine, inter_token_seconds=gaps, preemptions=preemptions)
+                    del requests[request_id]
+                    finished.append(state.record(self.engine, str(output.finish_reason)))
+        if not gaps and not preemptions and not emitted:
+            return None, finished
+        iteration = EngineIteration(
+            engine=self.engine, inter_token_seconds=gaps, preemptions=preemptions, emitted_tokens=emitted
+        )
+        return iteration, finished
 
     def _report(self, scheduler_output: Any, outputs: dict[int, Any], elapsed_seconds: float) -> StepReport:
         scheduler = self._scheduler
-        iteration = self._iteration(outputs)
+        iteration, finished = self._outputs(outputs)
         running, waiting = scheduler.get_request_counts()
         deferred = len(scheduler.deferred_waiting)
         kv_cache_usage = float(scheduler.kv_cache_manager.usage)
@@ -187,7 +281,7 @@ class CoreTelemetry:
             ),
         )
         if not scheduled:
-            return StepReport(iteration=iteration, scheduler=state)
+            return StepReport(iteration=iteration, scheduler=state, finished=tuple(finished))
         details = compute_iteration_details(scheduler_output)
         decode = decode_tokens(
             details.num_generation_requests, details.num_generation_tokens, self._max_decode_tokens_per_request
@@ -207,7 +301,7 @@ class CoreTelemetry:
             kv_cache_tokens=round(kv_cache_usage * capacity_tokens),
             speculative=speculative_step(self._speculation),
         )
-        return StepReport(iteration=iteration, scheduler=state, step=step)
+        return StepReport(iteration=iteration, scheduler=state, step=step, finished=tuple(finished))
 
 
 def _core_telemetry(scheduler: Scheduler) -> CoreTelemetry | None:
@@ -215,7 +309,7 @@ def _core_telemetry(scheduler: Scheduler) -> CoreTelemetry | None:
     if not endpoint:
         return None
     engine = int(scheduler.vllm_config.parallel_config.data_parallel_index)
-    publisher = StepPublisher(endpoint, engine)
+    publisher = StepPublisher(endpoint, engine, facts=engine_facts(scheduler.vllm_config, engine))
     publisher.start()
     logger.info("phasescope's step telemetry: engine core %d publishes to %s", engine, endpoint)
     return CoreTelemetry(scheduler, publisher)
@@ -257,9 +351,14 @@ class TelemetryScheduler(Scheduler):
         telemetry.updated(scheduler_output, outputs, returned_at)
         return outputs
 
+    def add_request(self, request: Any) -> None:
+        if self.phasescope_telemetry is not None:
+            self.phasescope_telemetry.added(request)
+        super().add_request(request)
+
     def finish_requests(self, request_ids: Any, finished_status: Any) -> Any:
         if self.phasescope_telemetry is not None:
-            self.phasescope_telemetry.finished(request_ids)
+            self.phasescope_telemetry.aborted(request_ids, self.requests)
         return super().finish_requests(request_ids, finished_status)
 
     def shutdown(self) -> None:
@@ -270,10 +369,6 @@ class TelemetryScheduler(Scheduler):
 
 class AsyncTelemetryScheduler(TelemetryScheduler, AsyncScheduler):
     """vLLM's async scheduler (`--async-scheduling`), each step reported to phasescope's hub."""
-
-
-TELEMETRY_SCHEDULER = f"{__name__}.TelemetryScheduler"
-ASYNC_TELEMETRY_SCHEDULER = f"{__name__}.AsyncTelemetryScheduler"
 
 
 def telemetry_scheduler(async_scheduling: bool) -> str:

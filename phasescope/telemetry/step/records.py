@@ -9,8 +9,11 @@ the step runs: the step, the output batch's inter-token gaps, the scheduler's st
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+from phasescope.telemetry.model.cost import ModelCost
 
 PHASES = ("prefill", "decode")
 STEP_KINDS = ("prefill", "decode", "mixed")
@@ -75,6 +78,8 @@ class EngineIteration:
     inter_token_seconds: Sequence[float]
     """Every gap between a request's consecutive output tokens in this batch, on the engine core's clock."""
     preemptions: int
+    emitted_tokens: int = 0
+    """Output tokens the batch carried to the requests (every sample's)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,6 +95,49 @@ class SchedulerState:
     """Requests held back (a structured output's grammar still compiling)."""
     reason: str = "other"
     """Why the waiting wait (`window.wait_reason`)."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineRequestRecord:
+    """One request as its engine core saw it end: the engine's own stamps (monotonic, 0.0: never reached) and
+    counts, the same vLLM's front end derives its request series from. No request id, no text."""
+
+    engine: int
+    finish_reason: str
+    """"stop", "length", "abort" or "error"."""
+    prompt_tokens: int
+    cached_prompt_tokens: int
+    output_tokens: int
+    queued_ts: float
+    scheduled_ts: float
+    """The first SCHEDULED event (a preemption's rescheduling does not move it)."""
+    first_token_ts: float
+    last_token_ts: float
+    preemptions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineFacts:
+    """What an engine core says of itself, so that a hub with no engine of its own can judge its steps."""
+
+    engine: int
+    model_name: str
+    """The served model name."""
+    model_path: str
+    dtype: str
+    device: str
+    on_cpu: bool
+    cost: ModelCost
+    """The model's cost per device (sharded over tensor × pipeline parallelism)."""
+    data_parallel_size: int
+    kv_cache_capacity_tokens: int
+    max_num_seqs: int
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    speculative_tokens: int = 0
+    """k under speculative decoding (0: off)."""
+    draft_cost: ModelCost | None = None
+    """A draft model's cost per device (None: none, or a drafter that is host code)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,10 +161,16 @@ class StepReport:
     scheduler: SchedulerState | None = None
     step: StepRecord | None = None
     publisher: PublisherHealth | None = None
+    finished: tuple[EngineRequestRecord, ...] = ()
+    """Requests that ended in this step (or were aborted before it)."""
+
+
+EARLY_REPORTS = 10_000
+"""Reports a `StepForwarder` keeps for a sink not attached yet (beyond them, the earliest steps are left out)."""
 
 
 class StepForwarder:
-    """Where the engine's step reports go; a report made before a sink is attached is dropped.
+    """Where the engine's step reports go, once a sink is attached.
 
     The engine's cores publish from the moment they start, the aggregator needs the engine's dtype and device,
     which are known only after: this sits between. Nothing a sink raises reaches the hub: it goes to `on_error`.
@@ -126,23 +180,33 @@ class StepForwarder:
         self.sink: Callable[[StepReport], None] | None = None
         self.on_error = on_error
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Reports from the hub before a sink is attached (a hub learns what judges the steps from their first batch).
+        self._early: list[StepReport] = []
+        self._lock = threading.Lock()
 
     def attach(self, sink: Callable[[StepReport], None]) -> None:
-        """Hand reports to `sink` from now on, on the event loop this is called from (if any)."""
+        """Hand reports to `sink` from now on (those the hub delivered before first), on the event loop this is
+        called from (if any)."""
         try:
             self._loop = asyncio.get_running_loop()
         except RuntimeError:
             self._loop = None
-        self.sink = sink
+        with self._lock:
+            early, self._early = self._early, []
+            self.sink = sink
+        self._report_all(early)
 
     def failed(self, exc: BaseException) -> None:
         self.on_error("step", exc)
 
     def report_batch(self, reports: list[StepReport]) -> None:
-        """Reports from another thread (the hub's): handed to the sink on the event loop, in order."""
+        """Reports from another thread (the hub's): handed to the sink on the event loop, in order; before a sink
+        is attached, kept for it (at most `EARLY_REPORTS`)."""
+        with self._lock:
+            if self.sink is None:
+                self._early.extend(reports[: max(0, EARLY_REPORTS - len(self._early))])
+                return
         loop = self._loop
-        if self.sink is None:
-            return
         if loop is None:
             self._report_all(reports)
             return

@@ -19,6 +19,7 @@ import collections
 import logging
 import tempfile
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,7 +27,7 @@ from pathlib import Path
 import msgspec
 import zmq
 
-from phasescope.telemetry.step.records import PublisherHealth, StepReport
+from phasescope.telemetry.step.records import EngineFacts, PublisherHealth, StepReport
 
 logger = logging.getLogger(__name__)
 
@@ -36,16 +37,22 @@ SEND_HIGH_WATER_MARK = 1024
 """Batches ZMQ holds for a slow or absent hub before a send would block (then the batch is dropped)."""
 SEND_WAIT_MILLISECONDS = 100
 """How long the publisher's thread waits for a hub that cannot take a batch yet before it drops it."""
+FACTS_EVERY_SECONDS = 5.0
+"""How often an engine core repeats its facts, so that a hub started after it learns them."""
+HELLO_WAIT_MILLISECONDS = 2000
+"""How long a starting publisher waits for its hub to take the core's facts (they go with a later batch if not)."""
 POLL_MILLISECONDS = 200
 """How often an idle hub looks whether it was closed."""
 
 
 @dataclass(frozen=True, slots=True)
 class ReportBatch:
-    """One message on the wire: the reports an engine core gathered since its last, and its publisher's health."""
+    """One message on the wire: the reports an engine core gathered since its last, its publisher's health, and
+    now and then the core's facts."""
 
     reports: list[StepReport]
     health: PublisherHealth
+    facts: EngineFacts | None = None
 
 
 _encoder = msgspec.msgpack.Encoder()
@@ -66,8 +73,19 @@ def decode(message: bytes) -> ReportBatch:
 class StepPublisher:
     """The engine core's side: `publish` appends and wakes the thread; nothing on the engine loop waits."""
 
-    def __init__(self, endpoint: str, engine: int, *, queue_reports: int = DEFAULT_QUEUE_REPORTS) -> None:
+    def __init__(
+        self,
+        endpoint: str,
+        engine: int,
+        *,
+        facts: EngineFacts | None = None,
+        queue_reports: int = DEFAULT_QUEUE_REPORTS,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.engine = engine
+        self._facts = facts
+        self._facts_sent_at: float | None = None
+        self._clock = clock
         self._endpoint = endpoint
         self._capacity = queue_reports
         self._queue: collections.deque[StepReport] = collections.deque()
@@ -118,6 +136,9 @@ class StepPublisher:
         socket.setsockopt(zmq.LINGER, 500)
         socket.connect(self._endpoint)
         try:
+            if self._facts is not None:
+                # The core's facts at once, so that a hub wires its series before the first request.
+                self._send(socket, [], wait_milliseconds=HELLO_WAIT_MILLISECONDS)
             while True:
                 self._wake.wait(1.0)
                 self._wake.clear()
@@ -130,13 +151,17 @@ class StepPublisher:
             socket.close()
             context.term()
 
-    def _send(self, socket: zmq.Socket[bytes], reports: list[StepReport]) -> None:
+    def _send(self, socket: zmq.Socket[bytes], reports: list[StepReport], wait_milliseconds: int = 0) -> None:
         try:
-            message = encode(ReportBatch(reports, self.health()))
+            now = self._clock()
+            due = self._facts_sent_at is None or now - self._facts_sent_at >= FACTS_EVERY_SECONDS
+            message = encode(ReportBatch(reports, self.health(), self._facts if due else None))
             # This thread (never the engine loop) gives a hub that is connecting, or slow, a moment.
-            if not socket.poll(SEND_WAIT_MILLISECONDS, zmq.POLLOUT):
+            if not socket.poll(wait_milliseconds or SEND_WAIT_MILLISECONDS, zmq.POLLOUT):
                 raise zmq.Again
             socket.send(message, zmq.NOBLOCK)
+            if due:
+                self._facts_sent_at = now
         except zmq.Again:  # the hub is slow or gone: the batch is dropped
             self.dropped_reports += len(reports)
         except Exception:  # a report that cannot be encoded costs its batch, never the engine
@@ -153,7 +178,8 @@ class StepHub:
     """The phasescope process's side: binds, receives every engine core's batches, and hands their reports on.
 
     `deliver` is called from the hub's thread with each batch's reports followed by a report of the publisher's
-    health; a message that is not a batch goes to `on_error` and costs that message only.
+    health, and `on_facts` with an engine core's facts before its batch's reports; a message that is not a batch
+    goes to `on_error` and costs that message only.
     """
 
     def __init__(
@@ -161,10 +187,12 @@ class StepHub:
         deliver: Callable[[list[StepReport]], None],
         endpoint: str = "",
         on_error: Callable[[BaseException], None] = lambda exc: None,
+        on_facts: Callable[[EngineFacts], None] = lambda facts: None,
     ) -> None:
         """`endpoint`: where to bind (a ZMQ address; tcp://HOST:0 picks a port); empty: a fresh ipc path."""
         self._deliver = deliver
         self._on_error = on_error
+        self._on_facts = on_facts
         self._folder: Path | None = None
         if not endpoint:
             endpoint, self._folder = _ipc_endpoint()
@@ -210,10 +238,21 @@ class StepHub:
                     self._on_error(exc)
                     continue
                 self.batches += 1
+                if batch.facts is not None:
+                    if reports:  # the reports before it first, in order
+                        self._hand_on(reports)
+                        reports = []
+                    try:
+                        self._on_facts(batch.facts)
+                    except Exception as exc:
+                        self._on_error(exc)
                 reports.extend(batch.reports)
                 reports.append(StepReport(publisher=batch.health))
             if reports:
-                try:
-                    self._deliver(reports)
-                except Exception as exc:
-                    self._on_error(exc)
+                self._hand_on(reports)
+
+    def _hand_on(self, reports: list[StepReport]) -> None:
+        try:
+            self._deliver(reports)
+        except Exception as exc:
+            self._on_error(exc)

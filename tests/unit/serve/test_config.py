@@ -7,7 +7,14 @@ import pytest
 from pydantic import ValidationError
 
 from phasescope.cli.main import build_parser
-from phasescope.serve.config import Settings, SettingsError, add_settings_arguments, parse_settings, settings_from
+from phasescope.serve.config import (
+    DEFAULT_EXTERNAL_HUB,
+    Settings,
+    SettingsError,
+    add_settings_arguments,
+    parse_settings,
+    settings_from,
+)
 
 FIELDS = Settings.model_fields
 
@@ -339,3 +346,18 @@ def test_booleans_are_dual_flags_and_unset_flags_are_absent() -> None:
     }
     # Values are passed on as typed, for the model to parse.
     assert vars(parser.parse_args(["--port", "7000"])) == {"port": "7000"}
+
+
+def test_an_external_front_ends_hub_listens_on_a_known_loopback_port_unless_told() -> None:
+    assert parse_settings(["--front-end", "external"], environ={}).effective_telemetry_listen == DEFAULT_EXTERNAL_HUB
+    told = parse_settings(["--front-end", "external", "--telemetry-listen", "tcp://127.0.0.1:7000"], environ={})
+    assert told.effective_telemetry_listen == "tcp://127.0.0.1:7000"
+    # The engine cores phasescope starts itself are told a private address.
+    assert parse_settings([], environ={}).effective_telemetry_listen == ""
+
+
+def test_the_rust_front_end_refuses_what_smgs_rust_server_does_not_do(tmp_path: Path) -> None:
+    tokens = tmp_path / "tokens"
+    tokens.write_text("secret\n")
+    with pytest.raises(SettingsError, match="--front-end rust: smg's Rust server does no TLS"):
+        parse_settings(["--front-end", "rust", "--auth-tokens-file", str(tokens)], environ={})

@@ -7,7 +7,9 @@ from collections.abc import Callable
 
 import zmq
 
+from phasescope.telemetry.model.cost import model_cost_from_numbers
 from phasescope.telemetry.step.records import (
+    EngineFacts,
     EngineIteration,
     PublisherHealth,
     SchedulerState,
@@ -148,6 +150,41 @@ async def test_reports_from_the_hubs_thread_reach_the_sink_on_the_event_loop() -
                 break
             await asyncio.sleep(0.01)
         assert [thread for thread, item in seen if item.step is not None] == [loop_thread]
+    finally:
+        publisher.close()
+        hub.close()
+
+
+def facts(engine: int) -> EngineFacts:
+    return EngineFacts(
+        engine=engine,
+        model_name="tiny",
+        model_path="/models/tiny",
+        dtype="float32",
+        device="cpu (test)",
+        on_cpu=True,
+        cost=model_cost_from_numbers(1_000_000, "float32"),
+        data_parallel_size=1,
+        kv_cache_capacity_tokens=4096,
+        max_num_seqs=8,
+    )
+
+
+def test_an_engine_cores_facts_reach_the_hub_before_its_reports_and_again_every_few_seconds() -> None:
+    # A hub started after the engine still learns what it needs to judge the steps.
+    received, told = Received(), list[tuple[EngineFacts, int]]()
+    hub = StepHub(received, on_facts=lambda given: told.append((given, len(steps(received.reports))))).start()
+    clock = [0.0]
+    publisher = StepPublisher(hub.endpoint, 0, facts=facts(0), clock=lambda: clock[0])
+    publisher.start()
+    try:
+        for sent, second in enumerate((0.0, 1.0, 2.0, 6.0), start=1):
+            clock[0] = second
+            publisher.publish(report(0))
+            assert received.wait_for(lambda reports, sent=sent: len(steps(reports)) == sent)  # type: ignore[misc]  # a default binds the loop's value
+        # At 0 s (the first batch, before any report) and at 6 s (5 s after): not in between.
+        assert [(given.engine, reports_before) for given, reports_before in told] == [(0, 0), (0, 3)]
+        assert told[0][0] == facts(0)
     finally:
         publisher.close()
         hub.close()
