@@ -37,7 +37,7 @@ phasescope.v1), `engine` (vLLM's gRPC worker, against phasescope over the same e
 ENV_WORD = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 """A word that sets an environment variable (NAME=VALUE), as `env` reads the words before a command."""
 VARIANT_NAME = re.compile(r"[a-z0-9][a-z0-9-]*")
-TARGET_NAMES = ("in-process", "vllm-openai", "phasescope", "vllm-grpc", "phasescope-vllm-grpc",
+TARGET_NAMES = ("in-process", "vllm-openai", "phasescope", "vllm-grpc", "vllm-rust", "phasescope-vllm-grpc",
                 "vllm-grpc-endpoint", "gateway")  # fmt: skip
 """Every target a run can measure besides the variants, in the order they run."""
 ENGINE_PROTOCOL_SUFFIX = "-vllm-grpc"
@@ -149,7 +149,8 @@ class BenchConfig:
     compare_protocol: str = "all"
     """With `compare`: `phasescope` (in-process AsyncLLM, vLLM's OpenAI server and phasescope over phasescope.v1),
     `engine` (vLLM's gRPC worker and phasescope over vLLM's engine protocol, `vllm-grpc` and
-    `phasescope-vllm-grpc`) or `all` (the five)."""
+    `phasescope-vllm-grpc`), `all` (the five), or `rust` (vLLM's gRPC worker with smg's Rust request path,
+    `vllm-rust`, and phasescope over vLLM's engine protocol)."""
     address: str | None = None
     """A running phasescope (host:port) instead of starting one."""
     metrics_url: str | None = None
@@ -183,16 +184,21 @@ class BenchConfig:
         return bool(self.address) or self.starts_phasescope
 
     @property
+    def engine_peer(self) -> str:
+        """vLLM's own worker the engine-protocol comparison starts: its Python servicer, or smg's Rust one."""
+        return "vllm-rust" if self.compare_protocol == "rust" else "vllm-grpc"
+
+    @property
     def target_names(self) -> list[str]:
         """What the run measures, in the order it runs them (`phasescope.bench.runner`)."""
         v1_set = not self.compare or self.compare_protocol in ("all", "phasescope")
-        engine_pair = self.compare and self.compare_protocol in ("all", "engine")
+        engine_pair = self.compare and self.compare_protocol in ("all", "engine", "rust")
         names = ["in-process", "vllm-openai"] if self.compare and v1_set else []
         if self.measures_phasescope:
             servers = [self.serve, *self.variants]
             names += [server.name for server in servers] if v1_set else []
             if engine_pair:
-                names += ["vllm-grpc", *(server.name + ENGINE_PROTOCOL_SUFFIX for server in servers)]
+                names += [self.engine_peer, *(server.name + ENGINE_PROTOCOL_SUFFIX for server in servers)]
         names += ["vllm-grpc-endpoint"] if self.vllm_grpc_address else []
         names += ["gateway"] if self.gateway_url else []
         return names

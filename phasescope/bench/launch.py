@@ -118,6 +118,28 @@ def start_vllm_grpc(
     return server, VllmEngineTarget(address, "vllm-grpc", settings.model, pid=server.process.pid, api=api)
 
 
+def start_vllm_rust(
+    settings: EngineSettings, out: Path, api: str = "prompt"
+) -> tuple[ManagedProcess, VllmEngineTarget]:
+    """vLLM's gRPC worker with smg's Rust request path (`phasescope.bench.rust_worker`: smg-grpc-servicer's
+    `serve_rust`, vLLM's own scheduler) on the engine settings of `start_vllm_grpc`; ready once its
+    grpc.health.v1 says SERVING."""
+    port = free_port()
+    command = [
+        sys.executable, "-m", "phasescope.bench.rust_worker", "--model", settings.model,
+        "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
+        "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
+        "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
+        "--host", "127.0.0.1", "--port", str(port), "--stream-interval", str(settings.stream_interval),
+    ]  # fmt: skip
+    warmup = {WARMUP_ENV: os.environ.get(WARMUP_ENV, "off")}
+    env = {"VLLM_LOGGING_LEVEL": "WARNING", **warmup, **allocator_env()}
+    server = ManagedProcess(command, out / "vllm-rust.log", env=env)
+    address = f"127.0.0.1:{port}"
+    server.wait_until(lambda: health_status(address) == "SERVING", "vLLM's gRPC worker with smg's Rust request path")
+    return server, VllmEngineTarget(address, "vllm-rust", settings.model, pid=server.process.pid, api=api)
+
+
 def phasescope_engine_target(
     address: str, metrics_url: str | None, pid: int | None, tokenizer: str, api: str = "prompt",
     server: str = "phasescope",

@@ -25,7 +25,8 @@ ROUND_FIGURES = (
 )
 """The figures set beside the baseline's: output tokens/s, TTFT p50, TPOT p50, front-end CPU per 1,000 tokens."""
 
-PREFERRED_BASELINE = "vllm-grpc"
+PREFERRED_BASELINES = ("vllm-grpc", "vllm-rust")
+"""vLLM's own workers, the baseline when measured (its Python servicer first)."""
 """vLLM's own gRPC worker, the baseline whenever it is measured."""
 
 Rounds = dict[tuple[str, float], dict[tuple[int, int], dict[str, dict[str, Any]]]]
@@ -39,7 +40,8 @@ def choose_baseline(targets: Sequence[str], requested: str | None = None) -> str
         return requested
     if len(targets) < 2:
         return None
-    return PREFERRED_BASELINE if PREFERRED_BASELINE in targets else targets[0]
+    preferred = [name for name in PREFERRED_BASELINES if name in targets]
+    return preferred[0] if preferred else targets[0]
 
 
 def median_interval(ratios: Sequence[float], resamples: int = 4000, seed: int = 0) -> tuple[float, float]:

@@ -38,6 +38,7 @@ from phasescope.bench.launch import (
     start_openai,
     start_phasescope,
     start_vllm_grpc,
+    start_vllm_rust,
 )
 from phasescope.bench.loop import Bench
 from phasescope.bench.plots import plot
@@ -61,7 +62,7 @@ async def _targets(
     """Start what is measured (the peers only with --compare); each is stopped by `stack`."""
     targets: list[Target] = []
     v1_set = not config.compare or config.compare_protocol in ("all", "phasescope")
-    engine_pair = config.compare and config.compare_protocol in ("all", "engine")
+    engine_pair = config.compare and config.compare_protocol in ("all", "engine", "rust")
     if config.compare and v1_set:
         assert settings is not None
         in_process = start_in_process(settings, config.api)
@@ -89,7 +90,8 @@ async def _targets(
                 targets.append(target)
         if engine_pair:
             assert settings is not None
-            worker, vllm_grpc = start_vllm_grpc(settings, config.output_dir, config.api)
+            start_peer = start_vllm_rust if config.compare_protocol == "rust" else start_vllm_grpc
+            worker, vllm_grpc = start_peer(settings, config.output_dir, config.api)
             stack.callback(worker.stop)
             stack.push_async_callback(vllm_grpc.close)
             targets.append(vllm_grpc)

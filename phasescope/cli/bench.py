@@ -141,11 +141,13 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
     target.add_argument(
         "--compare-protocol",
-        choices=("all", "phasescope", "engine"),
+        choices=("all", "phasescope", "engine", "rust"),
         help="with --compare, what is compared: phasescope (in-process, vllm-openai and phasescope over "
         "phasescope.v1: --compare before the engine protocol), engine (vllm-grpc and phasescope-vllm-grpc, "
-        "vllm.grpc.engine.VllmEngine on both servers), or all (the five; default). all runs each point on "
-        "five targets where either of the others runs it on three or two, so it takes that much longer",
+        "vllm.grpc.engine.VllmEngine on both servers), rust (vllm-rust, vLLM's worker with smg's Rust request "
+        "path, and phasescope-vllm-grpc: add --variant rust='--front-end rust' for phasescope's Rust mode), or "
+        "all (the five; default). all runs each point on five targets where either of the others runs it on "
+        "three or two, so it takes that much longer",
     )
     target.add_argument(
         "--vllm-grpc-address",

@@ -19,7 +19,7 @@ def test_compare_compares_both_protocols_unless_narrowed(tmp_path: Path) -> None
     plain = config(tmp_path, "--compare")
     assert plain.compare_protocol == "all"
     assert plain.parameters()["compare_protocol"] == "all"
-    for choice in ("all", "phasescope", "engine"):
+    for choice in ("all", "phasescope", "engine", "rust"):
         narrowed = config(tmp_path, "--compare", "--compare-protocol", choice)
         assert narrowed.compare_protocol == choice
         assert narrowed.starts_phasescope

@@ -12,6 +12,7 @@ import pytest
 from phasescope.bench import runner
 from phasescope.bench.config import BenchConfig, ServeVariant, from_args
 from phasescope.bench.launch import EngineSettings
+from phasescope.bench.rounds import choose_baseline
 from phasescope.cli.main import build_parser
 
 
@@ -78,6 +79,7 @@ async def targets_of(
     monkeypatch.setattr(runner, "start_in_process", lambda settings, api: FakeTarget("in-process", log))
     monkeypatch.setattr(runner, "start_openai", lambda settings, out, api: pair("openai", "vllm-openai"))
     monkeypatch.setattr(runner, "start_vllm_grpc", lambda settings, out, api: pair("vllm-grpc-worker", "vllm-grpc"))
+    monkeypatch.setattr(runner, "start_vllm_rust", lambda settings, out, api: pair("vllm-rust-worker", "vllm-rust"))
     servers = iter(range(42, 100))
 
     def start_phasescope(
@@ -167,3 +169,15 @@ async def test_variants_start_more_phasescope_servers_each_measured_over_both_pr
     assert ("stop", "uvloop-server") in log
     targets, _ = await targets_of(monkeypatch, tmp_path, "--variant", "b=--event-loop asyncio")
     assert [t.name for t in targets] == ["phasescope", "b"]
+
+
+async def test_the_rust_comparison_starts_vllms_worker_with_smgs_rust_request_path_as_the_peer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # phasescope's own Rust mode is a variant: the same engine protocol, the same peer.
+    flags = ("--compare", "--compare-protocol", "rust", "--variant", "rust=--front-end rust")
+    targets, log = await targets_of(monkeypatch, tmp_path, *flags)
+    assert [t.name for t in targets] == ["vllm-rust", "phasescope-vllm-grpc", "rust-vllm-grpc"]
+    assert ("start", "vllm-rust-worker") in log
+    assert ("start", "vllm-grpc-worker") not in log
+    assert choose_baseline([t.name for t in targets]) == "vllm-rust"
