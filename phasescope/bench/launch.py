@@ -127,6 +127,11 @@ def start_vllm_rust(
     port = free_port()
     command = [
         sys.executable, "-m", "phasescope.bench.rust_worker", "--model", settings.model,
+        # smg's servicer would publish KV events at vLLM's fixed default port, which phasescope's Rust mode on the
+        # same host may hold: a free port of its own (vLLM's default shape otherwise).
+        "--kv-events-config", json.dumps(
+            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+        ),
         "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
         "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),

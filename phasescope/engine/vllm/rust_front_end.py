@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import socket
 from typing import Any
 
 from phasescope.engine.base import EngineConfigError, EngineOptions
@@ -46,6 +47,13 @@ def check_versions() -> None:
     )
 
 
+def free_loopback_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
 def launcher_namespace(options: EngineOptions, model_path: str, served_model_name: str, host: str, port: int) -> Any:
     """The namespace vLLM's gRPC launcher would parse for this engine: `--host`/`--port` and the engine arguments,
     phasescope's scheduler named for the engine's scheduling mode (what vLLM refuses is one `EngineConfigError`)."""
@@ -53,6 +61,14 @@ def launcher_namespace(options: EngineOptions, model_path: str, served_model_nam
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     engine_args, _ = engine_arguments(options, model_path, served_model_name)
+    if engine_args.kv_events_config is None:
+        # smg's servicer turns vLLM's KV-event publisher on (its cache-aware routing reads it) at vLLM's fixed default,
+        # tcp://*:5557, when none is given: a second worker on the host could not start. A free loopback port instead.
+        from vllm.config import KVEventsConfig
+
+        engine_args.kv_events_config = KVEventsConfig(
+            enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://127.0.0.1:{free_loopback_port()}"
+        )
     # vLLM's whole configuration, checked now (before any port or engine): it decides the scheduling mode.
     vllm_config = engine_config(engine_args)
     engine_args.scheduler_cls = telemetry_scheduler(bool(vllm_config.scheduler_config.async_scheduling))
