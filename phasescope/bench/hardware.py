@@ -77,6 +77,12 @@ def server_view(before: Samples, after: Samples, duration: float) -> dict[str, f
     view["server_device_compute_utilization"] = compute_utilization(device_flops)
     # Compute idleness is the device's: 1 − MFU of all steps.
     view["server_device_compute_idleness"] = 1.0 - compute_utilization(device_flops)
+    # What phasescope's accounting cost the engine loop: per engine-core step, and as a share of the steps' time.
+    hook_seconds = delta("phasescope_engine_telemetry_hook_seconds_total")
+    hook_calls = delta("phasescope_engine_telemetry_hook_calls_total")
+    busy_seconds = sum(delta("phasescope_engine_busy_seconds_total", phase=phase) for phase in PHASES)
+    view["server_engine_hook_us_per_step"] = hook_seconds / hook_calls * 1e6 if hook_calls else 0.0
+    view["server_engine_hook_share_of_busy"] = hook_seconds / busy_seconds if busy_seconds else 0.0
     return view
 
 

@@ -73,3 +73,18 @@ def test_server_view_divides_the_counters_deltas_by_the_peaks_over_the_run() -> 
     assert view["server_device_compute_utilization"] == pytest.approx(0.025)
     assert view["server_device_compute_idleness"] == pytest.approx(0.975)
     assert view["server_decode_tokens_per_second"] == pytest.approx(10.0)
+
+
+def test_server_view_reports_what_phasescopes_accounting_cost_the_engine_loop() -> None:
+    def counters(hook_seconds: float, calls: int, busy_seconds: float) -> str:
+        return "\n".join([
+            f'phasescope_engine_telemetry_hook_seconds_total{{model="m",engine="0"}} {hook_seconds}',
+            f'phasescope_engine_telemetry_hook_calls_total{{model="m",engine="0"}} {calls}',
+            f'phasescope_engine_busy_seconds_total{{model="m",engine="0",phase="decode"}} {busy_seconds}',
+        ]) + "\n"  # fmt: skip
+
+    view = server_view(parse_samples(counters(0.001, 10, 1.0)), parse_samples(counters(0.004, 110, 3.0)), 4.0)
+    # 3 ms over 100 steps; 3 ms of the steps' 2 s.
+    assert view["server_engine_hook_us_per_step"] == pytest.approx(30.0)
+    assert view["server_engine_hook_share_of_busy"] == pytest.approx(0.0015)
+    assert server_view(parse_samples(""), parse_samples(""), 4.0)["server_engine_hook_us_per_step"] == 0.0
