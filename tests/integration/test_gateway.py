@@ -24,6 +24,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from phasescope.bench.harness import GatewayProcess, free_port
+from phasescope.bench.targets import load_tokenizer
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
 from phasescope.telemetry.exposition import sum_samples
@@ -211,14 +212,24 @@ def test_an_idle_gateway_pinging_past_its_interval_keeps_its_connection(
     assert "goaway" not in log
 
 
+@pytest.fixture(scope="module", params=["python", "rust"])
+def front_end(request: pytest.FixtureRequest) -> str:
+    """Who runs the workers' request path: phasescope's own, or smg's Rust one over phasescope's engine cores."""
+    return str(request.param)
+
+
 @pytest.fixture(scope="module")
-def worker_pair(start_server: Callable[..., ServerProcess]) -> Iterator[list[ServerProcess]]:
+def worker_pair(start_server: Callable[..., ServerProcess], front_end: str) -> Iterator[list[ServerProcess]]:
     """Two workers of the tiny random-weight model (cheap on a small machine), each publishing its KV-cache
     events, started as an operator would: no --served-model-name."""
     workers = []
     for _ in range(2):
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
-        workers.append(start_server("--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events)))
+        workers.append(
+            start_server(
+                "--front-end", front_end, "--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events)
+            )
+        )
     try:
         yield workers
     finally:
@@ -257,11 +268,15 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
     def words(topic: int) -> str:
         return " ".join(f"topic{topic} word{index}" for index in range(300))
 
+    # Token ids, as the gateway sends them (smg's Rust request path takes nothing else).
+    tokenizer = load_tokenizer(str(ensure_tiny_model()))
     for topic in range(6):
         channel, engine = stub(worker_pair[topic % 2])
         with channel:
             primed = pb.GenerateRequest(
-                request_id=f"prime-{topic}", text=words(topic), sampling_params=pb.SamplingParams(max_tokens=1)
+                request_id=f"prime-{topic}",
+                tokenized=pb.TokenizedInput(input_ids=list(tokenizer.encode(words(topic)))),
+                sampling_params=pb.SamplingParams(max_tokens=1),
             )
             list(engine.Generate(primed))
     time.sleep(1.0)  # the events' way to the gateway
@@ -277,6 +292,7 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
         assert served[topic % 2] == 1, (topic, served)
 
 
+@pytest.mark.parametrize("front_end", ["python"], indirect=True)  # phasescope's relay: the Rust server has its own
 def test_each_kv_event_batch_carries_the_workers_load_and_an_idle_stream_its_heartbeats(
     worker_pair: list[ServerProcess],
 ) -> None:
@@ -349,9 +365,13 @@ def test_one_worker_stopping_mid_run_leaves_the_other_serving(
 
     for _ in range(3):
         complete()
+    # Behind the Rust request path a request is counted from its engine core's record, a moment after its answer:
+    # an idle engine has sent it.
+    worker_pair[1].wait_engine_idle()
     served_before = worker_pair[1].sample_sum("phasescope_requests_total", code="OK")
     # One worker drains and exits mid-run; every later request is still answered, by the other.
     worker_pair[0].stop()
     for _ in range(6):
         complete()
+    worker_pair[1].wait_engine_idle()
     assert worker_pair[1].sample_sum("phasescope_requests_total", code="OK") == served_before + 6
