@@ -45,9 +45,14 @@ def test_concurrent_requests_are_answered_correctly_by_both_engines(dp_server: S
     for engine in ("0", "1"):
         assert dp_server.sample_sum("vllm:generation_tokens_total", engine=engine) > 0, engine
     assert dp_server.sample_sum("phasescope_request_phase_seconds_count", phase="decode") >= 8
-    # Each engine core reports its own steps, under its own `engine` label.
+    # Each engine core reports its own steps, under its own `engine` label, from inside the core: every step its
+    # scheduler ran went through phasescope's hook there, and none was dropped on its way to the hub.
+    dp_server.wait_engine_idle()
     for engine in ("0", "1"):
         assert dp_server.sample_sum("phasescope_engine_step_tokens_total", engine=engine, phase="decode") > 0, engine
+        steps = dp_server.sample_sum("phasescope_engine_steps_total", engine=engine)
+        assert dp_server.sample_sum("phasescope_engine_telemetry_hook_calls_total", engine=engine) >= steps > 0
+        assert dp_server.sample_sum("phasescope_engine_telemetry_dropped_reports_total", engine=engine) == 0
 
 
 def test_health_and_model_info_report_both_engines(dp_server: ServerProcess) -> None:
