@@ -101,10 +101,20 @@ class HubTelemetry:
     async def _attach(self, facts: EngineFacts) -> None:
         settings = self.settings
         description = description_of(facts)
-        peaks = await asyncio.to_thread(resolve_peaks, settings, facts.device, facts.on_cpu, facts.dtype)
-        engine_peaks = with_memory_capacity(
-            per_engine_peaks(peaks, settings, facts.data_parallel_size, facts.on_cpu), description
-        )
+        try:
+            peaks = await asyncio.to_thread(resolve_peaks, settings, facts.device, facts.on_cpu, facts.dtype)
+            engine_peaks = with_memory_capacity(
+                per_engine_peaks(peaks, settings, facts.data_parallel_size, facts.on_cpu), description
+            )
+            engine_peaks.peak_flops(facts.dtype)  # a device without the served dtype's figure is refused here
+        except ValueError as exc:  # NoPeakFlopsError and the flags' own refusals are ValueErrors
+            logger.error(
+                "no step series for %s on %s: %s (give --hardware, or --peak-memory-bandwidth and --peak-flops)",
+                facts.model_name,
+                facts.device,
+                exc,
+            )
+            return
         model = facts.model_name
         self.errors = errors = TelemetryErrors(model, self.registry)
         request_metrics = PrometheusRequestObserver(self.registry, model)
