@@ -93,16 +93,15 @@ VLLM_GRPC_LAUNCHER = "vllm.entrypoints.launchers.grpc_server"
 """The module vLLM's gRPC worker runs as (`python -m`)."""
 
 
-def start_vllm_grpc(
-    settings: EngineSettings, out: Path, api: str = "prompt"
-) -> tuple[ManagedProcess, VllmEngineTarget]:
-    """vLLM's own gRPC worker (`vllm.entrypoints.launchers.grpc_server`, smg-grpc-servicer's VllmEngine over
-    AsyncLLM) on the engine settings of `start_openai`, its log in `out`; ready once its grpc.health.v1 says
-    the engine service is SERVING (NOT_SERVING until the engine answers and any planned warm-up is done: off
-    here unless $SMG_VLLM_SERVICER_WARMUP says otherwise)."""
+def _start_vllm_worker(
+    settings: EngineSettings, out: Path, api: str, name: str, module: str, *, health_service: str,
+    extra_args: tuple[str, ...] = (),
+) -> tuple[ManagedProcess, VllmEngineTarget]:  # fmt: skip
+    """vLLM's gRPC worker run as `python -m module` on the run's engine settings, measured as `name` (its log
+    `out/name.log`); ready once its grpc.health.v1 says `health_service` is SERVING."""
     port = free_port()
     command = [
-        sys.executable, "-m", VLLM_GRPC_LAUNCHER, "--model", settings.model,
+        sys.executable, "-m", module, "--model", settings.model, *extra_args,
         "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
         "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
         "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
@@ -112,10 +111,22 @@ def start_vllm_grpc(
     # asks for it: no other target has one, and the bench's --warmup requests warm every target alike.
     warmup = {WARMUP_ENV: os.environ.get(WARMUP_ENV, "off")}
     env = {"VLLM_LOGGING_LEVEL": "WARNING", **warmup, **allocator_env()}
-    server = ManagedProcess(command, out / "vllm-grpc.log", env=env)
+    server = ManagedProcess(command, out / f"{name}.log", env=env)
     address = f"127.0.0.1:{port}"
-    server.wait_until(lambda: health_status(address, ENGINE_PROTOCOL_SERVICE) == "SERVING", "vLLM's gRPC worker")
-    return server, VllmEngineTarget(address, "vllm-grpc", settings.model, pid=server.process.pid, api=api)
+    server.wait_until(lambda: health_status(address, health_service) == "SERVING", f"{name} ({module})")
+    return server, VllmEngineTarget(address, name, settings.model, pid=server.process.pid, api=api)
+
+
+def start_vllm_grpc(
+    settings: EngineSettings, out: Path, api: str = "prompt"
+) -> tuple[ManagedProcess, VllmEngineTarget]:
+    """vLLM's own gRPC worker (`vllm.entrypoints.launchers.grpc_server`, smg-grpc-servicer's VllmEngine over
+    AsyncLLM) on the engine settings of `start_openai`, its log in `out`; ready once its grpc.health.v1 says
+    the engine service is SERVING (NOT_SERVING until the engine answers and any planned warm-up is done: off
+    here unless $SMG_VLLM_SERVICER_WARMUP says otherwise)."""
+    return _start_vllm_worker(
+        settings, out, api, "vllm-grpc", VLLM_GRPC_LAUNCHER, health_service=ENGINE_PROTOCOL_SERVICE
+    )
 
 
 def start_vllm_rust(
@@ -124,25 +135,13 @@ def start_vllm_rust(
     """vLLM's gRPC worker with smg's Rust request path (`phasescope.bench.rust_worker`: smg-grpc-servicer's
     `serve_rust`, vLLM's own scheduler) on the engine settings of `start_vllm_grpc`; ready once its
     grpc.health.v1 says SERVING."""
-    port = free_port()
-    command = [
-        sys.executable, "-m", "phasescope.bench.rust_worker", "--model", settings.model,
-        # smg's servicer would publish KV events at vLLM's fixed default port, which phasescope's Rust mode on the
-        # same host may hold: a free port of its own (vLLM's default shape otherwise).
-        "--kv-events-config", json.dumps(
-            {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
-        ),
-        "--served-model-name", settings.served_name, "--dtype", settings.dtype, "--enforce-eager",
-        "--max-model-len", str(settings.max_model_len), "--max-num-seqs", str(settings.max_num_seqs),
-        "--kv-cache-memory-bytes", str(int(settings.kv_cache_gib * 2**30)),
-        "--host", "127.0.0.1", "--port", str(port), "--stream-interval", str(settings.stream_interval),
-    ]  # fmt: skip
-    warmup = {WARMUP_ENV: os.environ.get(WARMUP_ENV, "off")}
-    env = {"VLLM_LOGGING_LEVEL": "WARNING", **warmup, **allocator_env()}
-    server = ManagedProcess(command, out / "vllm-rust.log", env=env)
-    address = f"127.0.0.1:{port}"
-    server.wait_until(lambda: health_status(address) == "SERVING", "vLLM's gRPC worker with smg's Rust request path")
-    return server, VllmEngineTarget(address, "vllm-rust", settings.model, pid=server.process.pid, api=api)
+    # smg's servicer would publish KV events at vLLM's fixed default port, which phasescope's Rust mode on the
+    # same host may hold: a free port of its own (vLLM's default shape otherwise).
+    events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
+    return _start_vllm_worker(
+        settings, out, api, "vllm-rust", "phasescope.bench.rust_worker", health_service="",
+        extra_args=("--kv-events-config", json.dumps(events)),
+    )  # fmt: skip
 
 
 def phasescope_engine_target(

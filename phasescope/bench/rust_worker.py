@@ -9,23 +9,18 @@ checks vLLM 0.28–0.31), hence this module.
 
 from __future__ import annotations
 
-import os
 import sys
-from typing import Any
 
 
 def main() -> int:
     import uvloop
     from smg_grpc_servicer.vllm.rust import serve_rust
-    from vllm.engine.arg_utils import AsyncEngineArgs
-    from vllm.utils.argparse_utils import FlexibleArgumentParser
 
-    os.environ["SMG_VLLM_SERVICER_IMPL"] = "rust"
-    parser: Any = FlexibleArgumentParser(description=__doc__)  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=50051)
-    parser = AsyncEngineArgs.add_cli_args(parser)
-    exit_code: int = uvloop.run(serve_rust(parser.parse_args()))
+    from phasescope.engine.vllm.rust_front_end import launcher_parser
+    from phasescope.environment import choose_rust_servicer
+
+    choose_rust_servicer()
+    exit_code: int = uvloop.run(serve_rust(launcher_parser(description=__doc__).parse_args()))
     return exit_code
 
 

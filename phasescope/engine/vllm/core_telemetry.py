@@ -150,7 +150,9 @@ class CoreTelemetry:
         self._max_decode_tokens_per_request = 1 + (
             (speculative.num_speculative_tokens or 0) if speculative is not None else 0
         )
-        self._cache_config = config.cache_config
+        # The core's own KV cache, sized before its scheduler is made: tokens = blocks × tokens per block.
+        cache = config.cache_config
+        self._kv_cache_capacity_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0)
         # When each scheduled batch went to the executor, by the scheduler output's identity.
         self._handed_at: dict[int, float] = {}
         self._last_update_end = 0.0
@@ -287,7 +289,6 @@ class CoreTelemetry:
             details.num_generation_requests, details.num_generation_tokens, self._max_decode_tokens_per_request
         )
         perf = self._perf
-        capacity_tokens = (self._cache_config.num_gpu_blocks or 0) * (self._cache_config.block_size or 0)
         step = StepRecord(
             engine=self.engine,
             prefill_requests=details.num_ctx_requests,
@@ -298,7 +299,7 @@ class CoreTelemetry:
             flops=float(perf.num_flops_per_gpu) if perf is not None else None,
             read_bytes=float(perf.num_read_bytes_per_gpu) if perf is not None else None,
             written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
-            kv_cache_tokens=round(kv_cache_usage * capacity_tokens),
+            kv_cache_tokens=round(kv_cache_usage * self._kv_cache_capacity_tokens),
             speculative=speculative_step(self._speculation),
         )
         return StepReport(iteration=iteration, scheduler=state, step=step, finished=tuple(finished))

@@ -54,12 +54,20 @@ def free_loopback_port() -> int:
         return port
 
 
-def launcher_namespace(options: EngineOptions, model_path: str, served_model_name: str, host: str, port: int) -> Any:
-    """The namespace vLLM's gRPC launcher would parse for this engine: `--host`/`--port` and the engine arguments,
-    phasescope's scheduler named for the engine's scheduling mode (what vLLM refuses is one `EngineConfigError`)."""
+def launcher_parser(host: str = "127.0.0.1", port: int = 50051, description: str | None = None) -> Any:
+    """vLLM's gRPC launcher's parser: `--host`, `--port` and vLLM's engine arguments."""
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
+    parser: Any = FlexibleArgumentParser(description=description)  # type: ignore[no-untyped-call]  # vLLM leaves it unannotated
+    parser.add_argument("--host", default=host)
+    parser.add_argument("--port", type=int, default=port)
+    return AsyncEngineArgs.add_cli_args(parser)
+
+
+def launcher_namespace(options: EngineOptions, model_path: str, served_model_name: str, host: str, port: int) -> Any:
+    """The namespace vLLM's gRPC launcher would parse for this engine: `--host`/`--port` and the engine arguments,
+    phasescope's scheduler named for the engine's scheduling mode (what vLLM refuses is one `EngineConfigError`)."""
     engine_args, _ = engine_arguments(options, model_path, served_model_name)
     if engine_args.kv_events_config is None:
         # smg's servicer turns vLLM's KV-event publisher on (its cache-aware routing reads it) at vLLM's fixed default,
@@ -72,11 +80,7 @@ def launcher_namespace(options: EngineOptions, model_path: str, served_model_nam
     # vLLM's whole configuration, checked now (before any port or engine): it decides the scheduling mode.
     vllm_config = engine_config(engine_args)
     engine_args.scheduler_cls = telemetry_scheduler(bool(vllm_config.scheduler_config.async_scheduling))
-    parser: Any = FlexibleArgumentParser()  # type: ignore[no-untyped-call]  # vLLM leaves its parser unannotated
-    parser.add_argument("--host", default=host)
-    parser.add_argument("--port", type=int, default=port)
-    parser = AsyncEngineArgs.add_cli_args(parser)
-    namespace = parser.parse_args(["--model", model_path])
+    namespace = launcher_parser(host, port).parse_args(["--model", model_path])
     for field in dataclasses.fields(engine_args):
         setattr(namespace, field.name, getattr(engine_args, field.name))
     return namespace
