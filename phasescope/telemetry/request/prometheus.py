@@ -15,6 +15,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasescope.telemetry.children import Children
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import FRONTEND, INTAKE, STAGES
@@ -188,6 +189,7 @@ class PrometheusRequestObserver:
             ["model", "reason"],
             registry=registry,
         )
+        self._child = Children()
         if model is not None:
             self.time_to_first_token_seconds.labels(model)
             self.decode_stalled_seconds.labels(model)
@@ -196,7 +198,7 @@ class PrometheusRequestObserver:
                 self.without_first_token.labels(model, code)
 
     def request_started(self, model: str) -> None:
-        self.requests_in_flight.labels(model).inc()
+        self._child(self.requests_in_flight, model).inc()
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         model = record.model
@@ -207,21 +209,23 @@ class PrometheusRequestObserver:
         prefill = self.tokens.prefill
         prefill[model] = prefill.get(model, 0) + record.prefill_tokens_computed
         if record.cached_prompt_tokens:
-            self.prefix_cache_tokens.labels(model).inc(record.cached_prompt_tokens)
+            self._child(self.prefix_cache_tokens, model).inc(record.cached_prompt_tokens)
             if self.cost is not None:
-                self.prefix_cache_flops.labels(model).inc(self.cost.prefill_flops(record.cached_prompt_tokens))
+                self._child(self.prefix_cache_flops, model).inc(self.cost.prefill_flops(record.cached_prompt_tokens))
         # A request's samples share its frontend and intake stages (observed once); queue, prefill and
         # the first token are each sample's own sequence's, as vLLM's series observe each.
         for stage in _AT_FIRST_TOKEN if record.request_first else _SAMPLE_AT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
-            self.time_to_first_token_seconds.labels(model).observe(timings.time_to_first_token_seconds, exemplar)
+            self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
         if record.constraint and timings.queue_seconds is not None:
-            self.structured_queue_seconds.labels(model, record.constraint).observe(timings.queue_seconds, exemplar)
+            self._child(self.structured_queue_seconds, model, record.constraint).observe(
+                timings.queue_seconds, exemplar
+            )
         if record.request_first and record.streaming and timings.client_time_to_first_token_seconds is not None:
-            self.client_time_to_first_token_seconds.labels(model).observe(
+            self._child(self.client_time_to_first_token_seconds, model).observe(
                 timings.client_time_to_first_token_seconds, exemplar
             )
 
@@ -232,20 +236,20 @@ class PrometheusRequestObserver:
 
     def request_finished(self, record: PhaseRecord) -> None:
         model = record.model
-        self.requests_in_flight.labels(model).dec()
-        self.requests.labels(model, record.code, record.finish_reason).inc()
+        self._child(self.requests_in_flight, model).dec()
+        self._child(self.requests, model, record.code, record.finish_reason).inc()
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         answered = record.produced_first_token or any(sample.produced_first_token for sample in record.samples)
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
-            self.without_first_token.labels(model, record.code).inc()
+            self._child(self.without_first_token, model, record.code).inc()
         timings = record.timings
         if timings.kv_loaded_tokens:
-            self.kv_transfer_tokens.labels(model, "loaded").inc(timings.kv_loaded_tokens)
+            self._child(self.kv_transfer_tokens, model, "loaded").inc(timings.kv_loaded_tokens)
         if timings.kv_saved_tokens:
-            self.kv_transfer_tokens.labels(model, "saved").inc(timings.kv_saved_tokens)
+            self._child(self.kv_transfer_tokens, model, "saved").inc(timings.kv_saved_tokens)
         if timings.kv_transfer_bytes:
-            self.kv_transfer_bytes.labels(model).inc(timings.kv_transfer_bytes)
+            self._child(self.kv_transfer_bytes, model).inc(timings.kv_transfer_bytes)
         # The shared stages were observed with the first token, if one came.
         self._observe_sequence(model, record.timings, record.produced_first_token, exemplar, shared=not answered)
         # With n samples, each later one's own sequence too (its decode, duration, interference).
@@ -261,17 +265,17 @@ class PrometheusRequestObserver:
         for stage in stages:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self.phase_seconds.labels(model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
         if not answered:
             return
         if timings.decode_stalled_by_prefill_seconds is not None:
-            self.decode_stalled_seconds.labels(model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
+            self._child(self.decode_stalled_seconds, model).observe(timings.decode_stalled_by_prefill_seconds, exemplar)
         if timings.decode_prefill_interference_seconds is not None:
-            self.decode_interference_seconds.labels(model).observe(
+            self._child(self.decode_interference_seconds, model).observe(
                 timings.decode_prefill_interference_seconds, exemplar
             )
         if timings.e2e_seconds is not None:
-            self.request_duration_seconds.labels(model).observe(timings.e2e_seconds, exemplar)
+            self._child(self.request_duration_seconds, model).observe(timings.e2e_seconds, exemplar)
 
     def request_rejected(self, model: str, reason: str) -> None:
-        self.requests_rejected.labels(model, reason).inc()
+        self._child(self.requests_rejected, model, reason).inc()

@@ -16,6 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from phasescope.telemetry.children import Children
 from phasescope.telemetry.histograms import observe_all
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
@@ -164,6 +165,7 @@ class StepMetrics(StepSink, Collector):
             for kind in STEP_KINDS:
                 self.steps.labels(model, str(engine), kind)
         self._inter_token = self.inter_token_latency_seconds.labels(model)
+        self._child = Children()
         # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
         self._last_queue: dict[int, SchedulerState] = {}
         self._last_publisher: dict[int, PublisherHealth] = {}
@@ -175,10 +177,10 @@ class StepMetrics(StepSink, Collector):
             return
         self._last_queue[state.engine] = state
         labels = (self._model, str(state.engine))
-        self.engine_requests.labels(*labels, "running").set(state.running)
-        self.engine_requests.labels(*labels, "waiting").set(state.waiting)
-        self.engine_requests.labels(*labels, "deferred").set(state.deferred)
-        self.kv_cache_usage.labels(*labels).set(state.kv_cache_usage)
+        self._child(self.engine_requests, *labels, "running").set(state.running)
+        self._child(self.engine_requests, *labels, "waiting").set(state.waiting)
+        self._child(self.engine_requests, *labels, "deferred").set(state.deferred)
+        self._child(self.kv_cache_usage, *labels).set(state.kv_cache_usage)
 
     def publisher(self, health: PublisherHealth) -> None:
         # The publisher's figures are cumulative since its engine core started (a restarted core starts again at 0).
@@ -190,33 +192,33 @@ class StepMetrics(StepSink, Collector):
             (self.telemetry_hook_seconds, health.hook_seconds, last.hook_seconds if last else 0.0),
             (self.telemetry_hook_calls, health.hook_calls, last.hook_calls if last else 0),
         ):
-            counter.labels(*labels).inc(now - before if now >= before else now)
+            self._child(counter, *labels).inc(now - before if now >= before else now)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         # A step's gaps observed together (one per running request).
         observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
-            self.preemptions.labels(self._model, str(iteration.engine)).inc(iteration.preemptions)
+            self._child(self.preemptions, self._model, str(iteration.engine)).inc(iteration.preemptions)
 
     def step(self, step: StepRecord, cost: StepCost) -> None:
         engine = str(step.engine)
-        self.steps.labels(self._model, engine, step.kind).inc()
+        self._child(self.steps, self._model, engine, step.kind).inc()
         for phase, share in cost.shares.items():
             if share.tokens == 0:
                 continue
             labels = (self._model, engine, phase)
-            self.flops.labels(*labels).inc(share.flops)
-            self.bytes_read.labels(*labels).inc(share.read_bytes)
-            self.written_bytes.labels(*labels).inc(share.written_bytes)
-            self.busy_seconds.labels(*labels).inc(share.seconds)
-            self.step_tokens.labels(*labels).inc(share.tokens)
+            self._child(self.flops, *labels).inc(share.flops)
+            self._child(self.bytes_read, *labels).inc(share.read_bytes)
+            self._child(self.written_bytes, *labels).inc(share.written_bytes)
+            self._child(self.busy_seconds, *labels).inc(share.seconds)
+            self._child(self.step_tokens, *labels).inc(share.tokens)
         if (speculative := step.speculative) is not None:
             model = self._model
-            self.speculative_drafts.labels(model, engine).inc(speculative.drafts)
-            self.speculative_drafted_tokens.labels(model, engine).inc(speculative.drafted_tokens)
-            self.speculative_accepted_tokens.labels(model, engine).inc(speculative.accepted_tokens)
+            self._child(self.speculative_drafts, model, engine).inc(speculative.drafts)
+            self._child(self.speculative_drafted_tokens, model, engine).inc(speculative.drafted_tokens)
+            self._child(self.speculative_accepted_tokens, model, engine).inc(speculative.accepted_tokens)
             for position, accepted in enumerate(speculative.accepted_by_position):
-                self.speculative_accepted_by_position.labels(model, engine, str(position)).inc(accepted)
+                self._child(self.speculative_accepted_by_position, model, engine, str(position)).inc(accepted)
 
     def collect(self) -> Iterator[Metric]:
         self._steps.hand_on()
