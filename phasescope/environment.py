@@ -44,13 +44,32 @@ not an engine argument: the engine cores inherit it whatever front end starts th
 configuration vLLM hashes for its compile cache."""
 
 
+TELEMETRY_GATHER = "PHASESCOPE_TELEMETRY_GATHER_SECONDS"
+"""How long each engine core's publisher lets reports gather before it sends them (unset: its default)."""
+
+
 def env_telemetry_endpoint() -> str:
     return os.environ.get(TELEMETRY_ENDPOINT, "")
 
 
-def export_telemetry_endpoint(endpoint: str) -> None:
-    """Name the hub to the engine cores this process starts next (they inherit the environment)."""
+def env_telemetry_gather_seconds() -> float | None:
+    """`TELEMETRY_GATHER` as seconds (None: unset or not a number ≥ 0)."""
+    value = os.environ.get(TELEMETRY_GATHER, "")
+    try:
+        seconds = float(value)
+    except ValueError:
+        return None
+    return seconds if seconds >= 0 else None
+
+
+def export_telemetry_endpoint(endpoint: str, gather_seconds: float | None = None) -> None:
+    """Name the hub to the engine cores this process starts next (they inherit the environment), and how long
+    their publishers let reports gather (None: the publisher's default)."""
     os.environ[TELEMETRY_ENDPOINT] = endpoint
+    if gather_seconds is None:
+        os.environ.pop(TELEMETRY_GATHER, None)
+    else:
+        os.environ[TELEMETRY_GATHER] = repr(gather_seconds)
 
 
 def choose_rust_servicer() -> None:

@@ -168,7 +168,8 @@ def test_an_aborted_request_is_recorded_at_once_and_forgotten() -> None:
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
     telemetry.aborted(["a"], {})  # the front end aborted it (no step carries it: it is published on its own)
     (record,) = publisher.reports[-1].finished
-    assert (record.finish_reason, record.prompt_tokens, record.output_tokens) == ("abort", 30, 1)
+    assert (record.request_id, record.finish_reason) == ("a", "abort")
+    assert (record.prompt_tokens, record.output_tokens) == (30, 1)
     # The same id again is a new request, with no gap to the old one.
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
     iteration = publisher.reports[-1].iteration
@@ -213,7 +214,7 @@ def test_a_finished_request_carries_the_engines_stamps_and_counts_as_vllms_front
     assert round(record.first_token_ts, 9) == 100.1
     assert round(record.last_token_ts, 9) == 100.2
     assert (record.prompt_tokens, record.cached_prompt_tokens, record.output_tokens) == (30, 16, 4)
-    assert (record.finish_reason, record.preemptions, record.engine) == ("length", 1, 1)
+    assert (record.finish_reason, record.preemptions, record.engine, record.request_id) == ("length", 1, 1, "a")
     emitted = [report.iteration.emitted_tokens for report in publisher.reports if report.iteration is not None]
     assert emitted == [1, 2, 1]
 

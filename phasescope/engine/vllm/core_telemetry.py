@@ -37,7 +37,7 @@ from vllm.v1.utils import compute_iteration_details
 
 from phasescope.engine.vllm import ASYNC_TELEMETRY_SCHEDULER, TELEMETRY_SCHEDULER
 from phasescope.engine.vllm.model_facts import engine_facts
-from phasescope.environment import env_telemetry_endpoint
+from phasescope.environment import env_telemetry_endpoint, env_telemetry_gather_seconds
 from phasescope.telemetry.step.records import (
     EngineIteration,
     EngineRequestRecord,
@@ -46,7 +46,7 @@ from phasescope.telemetry.step.records import (
     StepRecord,
     StepReport,
 )
-from phasescope.telemetry.step.transport import StepPublisher
+from phasescope.telemetry.step.transport import GATHER_SECONDS, StepPublisher
 from phasescope.telemetry.step.window import wait_reason
 
 logger = logging.getLogger(__name__)
@@ -96,8 +96,9 @@ class _Request:
         self.preemptions += preempted
         return preempted
 
-    def record(self, engine: int, finish_reason: str) -> EngineRequestRecord:
+    def record(self, request_id: str, engine: int, finish_reason: str) -> EngineRequestRecord:
         return EngineRequestRecord(
+            request_id=request_id,
             engine=engine,
             finish_reason=finish_reason,
             prompt_tokens=self.prompt_tokens,
@@ -197,7 +198,7 @@ class CoreTelemetry:
                 engine_request = requests.get(request_id)
                 if engine_request is not None and engine_request.events:  # stamped, not yet sent with an output
                     state.took(engine_request.events)
-                finished.append(state.record(self.engine, "abort"))
+                finished.append(state.record(request_id, self.engine, "abort"))
             if finished:
                 self._publisher.publish(StepReport(finished=tuple(finished)))
         except Exception:
@@ -252,7 +253,7 @@ class CoreTelemetry:
                     state.last_token = at
                 if output.finish_reason is not None:
                     del requests[request_id]
-                    finished.append(state.record(self.engine, str(output.finish_reason)))
+                    finished.append(state.record(request_id, self.engine, str(output.finish_reason)))
         if not gaps and not preemptions and not emitted:
             return None, finished
         iteration = EngineIteration(
@@ -310,7 +311,13 @@ def _core_telemetry(scheduler: Scheduler) -> CoreTelemetry | None:
     if not endpoint:
         return None
     engine = int(scheduler.vllm_config.parallel_config.data_parallel_index)
-    publisher = StepPublisher(endpoint, engine, facts=engine_facts(scheduler.vllm_config, engine))
+    gather = env_telemetry_gather_seconds()
+    publisher = StepPublisher(
+        endpoint,
+        engine,
+        facts=engine_facts(scheduler.vllm_config, engine),
+        gather_seconds=GATHER_SECONDS if gather is None else gather,
+    )
     publisher.start()
     logger.info("phasescope's step telemetry: engine core %d publishes to %s", engine, endpoint)
     return CoreTelemetry(scheduler, publisher)

@@ -374,7 +374,9 @@ class VllmEngine:
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = telemetry_scheduler(bool(scheduler_config.async_scheduling))
         hub = StepHub(steps.report_batch, options.telemetry_listen, on_error=steps.failed).start()
-        export_telemetry_endpoint(hub.endpoint)
+        # Each step's report sent at once: the request path reads the engine's interference totals as a request's
+        # first and last tokens come (phasescope.serve.lifecycle), so they may not lag the outputs by a gathering.
+        export_telemetry_endpoint(hub.endpoint, gather_seconds=0.0)
         try:
             # vLLM's own series, through the pipeline (vLLM adds its default Prometheus logger only without one).
             llm = AsyncLLM.from_vllm_config(vllm_config, stat_loggers=[vllm_prometheus_logger(pipeline)])

@@ -100,7 +100,7 @@ class SchedulerState:
 @dataclass(frozen=True, slots=True)
 class EngineRequestRecord:
     """One request as its engine core saw it end: the engine's own stamps (monotonic, 0.0: never reached) and
-    counts, the same vLLM's front end derives its request series from. No request id, no text."""
+    counts, the same vLLM's front end derives its request series from, and its id in the engine. No text."""
 
     engine: int
     finish_reason: str
@@ -114,6 +114,10 @@ class EngineRequestRecord:
     first_token_ts: float
     last_token_ts: float
     preemptions: int = 0
+    request_id: str = ""
+    """The id the engine core ran it under: vLLM's Python front end makes a client's id unique with a suffix
+    (`{id}-{8 hex digits}`); smg's Rust request path hands the engine the id it was sent (`{id}-{index}` for each
+    of n > 1 samples)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -78,8 +78,9 @@ class StepPublisher:
     nothing on the engine loop waits.
 
     The thread sends what gathered `gather_seconds` after it woke, so a busy engine core costs the hub one
-    message per period, and the engine loop one wake-up of another thread per period, not per step. A report
-    appended while the thread empties the queue can wait for the thread's next look, at most a second later.
+    message per period, and the engine loop one wake-up of another thread per period, not per step (0: each
+    report as soon as the thread runs, for a hub whose front end reads the engine's totals as a request's tokens
+    come). A report appended just as the thread empties the queue can wait for its next look, a second at most.
     """
 
     def __init__(
@@ -156,8 +157,9 @@ class StepPublisher:
                 # The core's facts at once, so that a hub wires its series before the first request.
                 self._send(socket, [], wait_milliseconds=HELLO_WAIT_MILLISECONDS)
             while True:
-                self._wake.wait(1.0)
-                if not self._closed:
+                if not self._queue:  # reports that came while the last batch was sent go without a wake-up
+                    self._wake.wait(1.0)
+                if not self._closed and self._gather_seconds:
                     self._closing.wait(self._gather_seconds)
                 self._wake.clear()
                 reports = self._take()

@@ -2,11 +2,20 @@
 every engine core, over real ZMQ sockets."""
 
 import asyncio
+import functools
 import threading
 from collections.abc import Callable
 
+import pytest
 import zmq
 
+from phasescope.environment import (
+    TELEMETRY_ENDPOINT,
+    TELEMETRY_GATHER,
+    env_telemetry_endpoint,
+    env_telemetry_gather_seconds,
+    export_telemetry_endpoint,
+)
 from phasescope.telemetry.model.cost import model_cost_from_numbers
 from phasescope.telemetry.step.records import (
     EngineFacts,
@@ -52,6 +61,10 @@ def steps(reports: list[StepReport]) -> list[StepRecord]:
     return [report.step for report in reports if report.step is not None]
 
 
+def holds_steps(count: int, reports: list[StepReport]) -> bool:
+    return len(steps(reports)) == count
+
+
 def test_a_batch_is_the_same_on_both_sides_of_the_wire() -> None:
     batch = ReportBatch([report(0), StepReport(scheduler=SchedulerState(0, 0, 0, 0.0))], PublisherHealth(0, 2, 0.5, 9))
     assert decode(encode(batch)) == batch
@@ -78,6 +91,39 @@ def test_every_engine_cores_reports_reach_the_one_hub_in_order_with_each_publish
         for publisher in publishers:
             publisher.close()
         hub.close()
+
+
+def test_a_busy_spells_reports_gather_into_one_message_and_without_gathering_each_goes_on_its_own() -> None:
+    # Behind another front end a busy engine core wakes the hub once a period, not once a step.
+    for gather_seconds, most_messages in ((0.5, 2), (0.0, 20)):
+        received = Received()
+        hub = StepHub(received).start()
+        publisher = StepPublisher(hub.endpoint, 0, gather_seconds=gather_seconds)
+        publisher.start()
+        try:
+            for tokens in range(1, 21):
+                publisher.publish(report(0, tokens))
+                if not gather_seconds:
+                    assert received.wait_for(functools.partial(holds_steps, tokens))
+            assert received.wait_for(lambda reports: len(steps(reports)) == 20)
+            assert [step.decode_tokens for step in steps(received.reports)] == list(range(1, 21))
+            assert hub.batches <= most_messages
+            if not gather_seconds:
+                assert hub.batches == 20
+        finally:
+            publisher.close()
+            hub.close()
+
+
+def test_the_gathering_period_the_engine_cores_inherit(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in (TELEMETRY_ENDPOINT, TELEMETRY_GATHER):  # put back as they were when the test ends
+        monkeypatch.setenv(name, "")
+    export_telemetry_endpoint("ipc:///hub", gather_seconds=0.0)
+    assert (env_telemetry_endpoint(), env_telemetry_gather_seconds()) == ("ipc:///hub", 0.0)
+    export_telemetry_endpoint("ipc:///hub")  # the publishers' own default
+    assert env_telemetry_gather_seconds() is None
+    monkeypatch.setenv(TELEMETRY_GATHER, "soon")
+    assert env_telemetry_gather_seconds() is None
 
 
 def test_a_full_queue_drops_and_counts_the_newest_report_without_waiting() -> None:
