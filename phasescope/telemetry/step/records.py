@@ -188,11 +188,11 @@ class StepForwarder:
         self._early: list[StepReport] = []
         self._lock = threading.Lock()
 
-    def attach(self, sink: Callable[[StepReport], None]) -> None:
+    def attach(self, sink: Callable[[StepReport], None], *, on_loop: bool = True) -> None:
         """Hand reports to `sink` from now on (those the hub delivered before first), on the event loop this is
-        called from (if any)."""
+        called from (if any and `on_loop`), else on the thread that delivers them (the hub's)."""
         try:
-            self._loop = asyncio.get_running_loop()
+            self._loop = asyncio.get_running_loop() if on_loop else None
         except RuntimeError:
             self._loop = None
         with self._lock:
