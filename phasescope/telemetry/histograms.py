@@ -2,11 +2,27 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 
 import numpy as np
 from prometheus_client import Histogram
 from prometheus_client.values import MutexValue
+
+_LAYOUTS: weakref.WeakKeyDictionary[Histogram, np.ndarray | None] = weakref.WeakKeyDictionary()
+"""Each histogram's bucket bounds as an array, None for one whose values are not `MutexValue`s: read once."""
+
+
+def _layout(histogram: Histogram) -> np.ndarray | None:
+    try:
+        return _LAYOUTS[histogram]
+    except KeyError:
+        pass
+    total, buckets = histogram._sum, histogram._buckets
+    in_process = type(total) is MutexValue and all(type(bucket) is MutexValue for bucket in buckets)
+    layout = np.asarray(histogram._upper_bounds, dtype=float) if in_process else None
+    _LAYOUTS[histogram] = layout
+    return layout
 
 
 def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
@@ -16,20 +32,20 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
 
     `histogram` is a labelled child (or a histogram without labels), observed only by the caller while this
     runs. prometheus-client has no observe-many: this reads its bucket layout (`_upper_bounds`, `_buckets`,
-    `_sum`, stable since 0.4), as tests/unit/telemetry/test_observe_all.py checks. In its multiprocess mode
-    (values in shared files, not `MutexValue`) each amount is observed on its own."""
+    `_sum`, stable since 0.4; once per histogram), as tests/unit/telemetry/test_observe_all.py checks. In its
+    multiprocess mode (values in shared files, not `MutexValue`) each amount is observed on its own."""
     if not amounts:
         return
     histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks
-    total, buckets = histogram._sum, histogram._buckets
-    if type(total) is not MutexValue or any(type(bucket) is not MutexValue for bucket in buckets):
+    bounds = _layout(histogram)
+    if bounds is None:
         for amount in amounts:
             histogram.observe(amount)
         return
-    bounds = histogram._upper_bounds
+    total, buckets = histogram._sum, histogram._buckets
     # observe() counts an amount in the first bucket whose bound is >= it (a NaN in none): the left insertion
     # point, past the last bucket (+Inf) for a NaN.
-    counts = np.bincount(np.searchsorted(bounds, np.asarray(amounts, dtype=float), side="left"), minlength=len(bounds))
+    counts = np.bincount(bounds.searchsorted(np.asarray(amounts, dtype=float), side="left"), minlength=len(bounds))
     with total._lock:
         running = total._value
         for amount in amounts:
