@@ -10,7 +10,8 @@ of watching is itself watched.
 The hub binds, the publishers connect: any number of engine cores (data parallelism) and any front end (phasescope's
 own, smg's Rust request path, vLLM's OpenAI server) feed one hub, and every step is counted once, by the core that
 ran it. The hub hands each batch's reports to one callable from its own thread (`StepForwarder.report_batch` moves
-them onto the event loop).
+them onto the event loop behind phasescope's own request path, and aggregates them on the hub's thread behind any
+other).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ POLL_MILLISECONDS = 200
 """How often an idle hub looks whether it was closed."""
 GATHER_SECONDS = 0.05
 """How long a publisher lets reports gather after the first of a busy spell before it sends them as one batch:
-one message, one wake-up of the hub and of its event loop, for every 50 ms of steps instead of every step."""
+one message and one wake-up of the hub for every 50 ms of steps instead of every step."""
 
 
 @dataclass(frozen=True, slots=True)
