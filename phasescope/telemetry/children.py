@@ -12,9 +12,9 @@ M = TypeVar("M", bound=MetricWrapperBase)
 class Children:
     """`children(metric, *values)` is `metric.labels(*values)`, built on the first call and a dict lookup after.
 
-    prometheus-client's `labels()` checks and joins the values and takes the metric's lock on every call (about
-    0.8 µs here); the series a step or a request touches are looked up many times a second, with few distinct
-    label values (model, engine, phase, stage). Nothing in phasescope removes a child, so a kept one stays valid.
+    prometheus-client's `labels()` checks and joins the values and takes the metric's lock on every call; the
+    series a step or a request touches are looked up many times a second, with few distinct label values (model,
+    engine, phase, stage). Nothing in phasescope removes a child, so a kept one stays valid.
     """
 
     __slots__ = ("_made",)

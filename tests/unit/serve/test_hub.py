@@ -8,22 +8,11 @@ from prometheus_client import CollectorRegistry
 from phasescope.serve import hub
 from phasescope.serve.config import Settings
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.model.cost import model_cost_from_numbers
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.step.records import EngineFacts, StepForwarder, StepRecord, StepReport
+from phasescope.telemetry.step.records import StepForwarder, StepRecord, StepReport
+from support.engine_facts import tiny_engine_facts
 
-FACTS = EngineFacts(
-    engine=0,
-    model_name="tiny",
-    model_path="/models/tiny",
-    dtype="float32",
-    device="cpu (test)",
-    on_cpu=True,
-    cost=model_cost_from_numbers(1_000_000, "float32"),
-    data_parallel_size=1,
-    kv_cache_capacity_tokens=4096,
-    max_num_seqs=8,
-)
+FACTS = tiny_engine_facts()
 
 
 def telemetry(registry: CollectorRegistry) -> hub.HubTelemetry:

@@ -16,7 +16,6 @@ from phasescope.environment import (
     env_telemetry_gather_seconds,
     export_telemetry_endpoint,
 )
-from phasescope.telemetry.model.cost import model_cost_from_numbers
 from phasescope.telemetry.step.records import (
     EngineFacts,
     EngineIteration,
@@ -28,6 +27,7 @@ from phasescope.telemetry.step.records import (
     StepReport,
 )
 from phasescope.telemetry.step.transport import ReportBatch, StepHub, StepPublisher, decode, encode
+from support.engine_facts import tiny_engine_facts
 
 
 def report(engine: int, decode_tokens: int = 4) -> StepReport:
@@ -202,18 +202,7 @@ async def test_reports_from_the_hubs_thread_reach_the_sink_on_the_event_loop() -
 
 
 def facts(engine: int) -> EngineFacts:
-    return EngineFacts(
-        engine=engine,
-        model_name="tiny",
-        model_path="/models/tiny",
-        dtype="float32",
-        device="cpu (test)",
-        on_cpu=True,
-        cost=model_cost_from_numbers(1_000_000, "float32"),
-        data_parallel_size=1,
-        kv_cache_capacity_tokens=4096,
-        max_num_seqs=8,
-    )
+    return tiny_engine_facts(engine)
 
 
 def test_an_engine_cores_facts_reach_the_hub_before_its_reports_and_again_every_few_seconds() -> None:
