@@ -33,6 +33,7 @@ from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 from phasescope.serve.hub import hub_telemetry
 from phasescope.serve.peaks import per_engine_peaks, resolve_peaks, with_memory_capacity
+from phasescope.serve.rust_mode import V1BesideRust
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_counters
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
@@ -334,11 +335,37 @@ async def serve_behind_another_front_end(settings: Settings, registry: Collector
         model_path, model_name = await asyncio.to_thread(resolve_model, settings)
         # The engine cores the Rust server starts inherit the hub's address.
         export_telemetry_endpoint(telemetry.endpoint)
+        v1 = V1BesideRust(settings, telemetry, model_path, model_name)
+        v1_serving = None
+        if settings.effective_v1_port:
+            v1_serving = asyncio.create_task(v1.serve())
+            v1_serving.add_done_callback(_v1_failed)
         try:
             return await serve_rust(settings.engine_options(), model_path, model_name, settings.host, settings.port)
         except EngineConfigError as exc:
             logger.error("the engine refused its configuration: %s", exc)
             return 2
+        finally:
+            if v1_serving is not None:
+                await _stop_v1(v1, v1_serving)
+
+
+def _v1_failed(serving: asyncio.Task[None]) -> None:
+    if not serving.cancelled() and (exc := serving.exception()) is not None:
+        logger.error(
+            "phasescope.v1 beside smg's Rust server did not start (the Rust server serves on): %s",
+            exc,
+            exc_info=exc,
+        )
+
+
+async def _stop_v1(v1: V1BesideRust, serving: asyncio.Task[None]) -> None:
+    """phasescope.v1 beside the Rust server stopped (its start-up, if still under way, cancelled)."""
+    v1.stopping.set()
+    serving.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await serving
+    await v1.stop()
 
 
 def freeze_startup_heap(young_threshold: int) -> tuple[int, int]:

@@ -84,6 +84,8 @@ class LiveTelemetry:
         return self._steps.views()
 
     def latencies(self, window_seconds: float) -> LatencyFigures:
+        # The steps' pipeline (the hub's, beside smg's Rust server) and this server's.
+        self._steps.hand_on()
         self._pipeline.hand_on()
         return self._recent.figures(window_seconds)
 
@@ -146,18 +148,30 @@ class Built:
     started: float = field(default_factory=time.monotonic)
     aggregator: StepAggregator | None = None
 
-    def attach_engine(self, engine: Engine, peaks: HardwarePeaks) -> StepAggregator:
-        """Wire a started engine in: its steps judged against `peaks` (each engine's), its requests served."""
+    def attach_engine(
+        self,
+        engine: Engine,
+        peaks: HardwarePeaks,
+        *,
+        steps_from: StepAggregator | None = None,
+        recent: RecentLatencies | None = None,
+    ) -> StepAggregator:
+        """Wire a started engine in: its steps judged against `peaks` (each engine's), its requests served.
+
+        `steps_from`: the engine's steps are aggregated elsewhere already (the hub's, beside smg's Rust server),
+        with `recent` the latencies it keeps; this server reads them and aggregates none of its own."""
         description = engine.description
-        aggregator = step_aggregator(
-            self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
-        )
-        StepMetrics(self.model_name, aggregator, self.registry)
+        aggregator = steps_from
+        if aggregator is None:
+            aggregator = step_aggregator(
+                self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
+            )
+            StepMetrics(self.model_name, aggregator, self.registry)
+            self.steps.attach(aggregator.record)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
-        self.steps.attach(aggregator.record)
         self.path.interference = aggregator.interference.read
         self.path.engine = engine
-        live = LiveTelemetry(aggregator, self.recent, self.pipeline)
+        live = LiveTelemetry(aggregator, recent or self.recent, self.pipeline)
         facts = ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started)
         self.inference.attach_telemetry(facts, live)
         self.engine_protocol.attach_telemetry(live)

@@ -244,9 +244,13 @@ class Settings(BaseSettings):
     front_end: Literal["python", "rust", "external"] = "python"
     """Who runs the request path: python, phasescope's own (both protocols, every stage of every request); rust,
     smg's Rust request path for vLLM's engine protocol (smg-grpc-servicer's VllmGrpcServer: less CPU per token,
-    sooner first tokens; no phasescope.v1, admission, TLS, tokens or frontend/intake stages), with phasescope's
-    step and engine-side request series; external, a front end started elsewhere (vLLM's OpenAI server, say) whose
-    engine cores run phasescope's scheduler and publish to --telemetry-listen: only the hub and /metrics."""
+    sooner first tokens; no admission, TLS, tokens or frontend/intake stages), with phasescope's step and
+    engine-side request series, and phasescope.v1 on --v1-port; external, a front end started elsewhere (vLLM's
+    OpenAI server, say) whose engine cores run phasescope's scheduler and publish to --telemetry-listen: only the
+    hub and /metrics."""
+    v1_port: Annotated[int | None, Field(ge=0, le=65535), BeforeValidator(_blank_is_none)] = None
+    """With --front-end rust: the port phasescope.v1 is served on beside smg's Rust server (its requests go to the
+    engine through it); unset: --port + 1; 0: not served."""
     telemetry_listen: str = ""
     """ZMQ address the telemetry hub binds, where every engine core publishes its steps (tcp://HOST:PORT); empty:
     a private ipc path for the engine cores this server starts (they inherit it), tcp://127.0.0.1:5590 with
@@ -310,6 +314,13 @@ class Settings(BaseSettings):
         if self.telemetry_listen or self.front_end != "external":
             return self.telemetry_listen
         return DEFAULT_EXTERNAL_HUB
+
+    @property
+    def effective_v1_port(self) -> int:
+        """With --front-end rust, where phasescope.v1 listens (0: not served)."""
+        if self.front_end != "rust":
+            return 0
+        return self.port + 1 if self.v1_port is None else self.v1_port
 
     @property
     def effective_metrics_host(self) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry
@@ -25,12 +25,13 @@ from phasescope.serve.config import Settings
 from phasescope.serve.peaks import per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.errors import TelemetryErrors
+from phasescope.telemetry.live import RecentLatencies
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.request.engine_side import EngineSideRequests
+from phasescope.telemetry.request.engine_side import EngineSideRequests, RecordClaims
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.telemetry.step.aggregator import StepAggregator
 from phasescope.telemetry.step.prometheus import StepMetrics
-from phasescope.telemetry.step.records import EngineFacts, StepForwarder
+from phasescope.telemetry.step.records import EngineFacts, StepForwarder, StepReport
 from phasescope.telemetry.step.transport import StepHub
 
 logger = logging.getLogger(__name__)
@@ -79,6 +80,10 @@ class HubTelemetry:
     """Where contained telemetry errors are counted, once the model's name is known."""
     ready: asyncio.Event = field(default_factory=asyncio.Event)
     """Set once the step series are wired (the engine cores' first facts arrived and the peaks are resolved)."""
+    claims: RecordClaims = field(default_factory=RecordClaims)
+    """The engine records a front end of this process waits for (phasescope.v1 beside the Rust server)."""
+    recent: RecentLatencies = field(default_factory=RecentLatencies)
+    """Every request's and step's recent latencies, from the engine side (what WatchTelemetry and GetLoads read)."""
     _attaching: asyncio.Task[None] | None = None
 
     @property
@@ -119,13 +124,15 @@ class HubTelemetry:
         self.errors = errors = TelemetryErrors(model, self.registry)
         request_metrics = PrometheusRequestObserver(self.registry, model)
         request_metrics.cost = facts.cost  # what a prefix-cache hit saves, in FLOPs
-        requests = EngineSideRequests(model, (request_metrics,))
-        aggregator = step_aggregator(settings, description, engine_peaks, (requests,), self.pipeline, errors)
+        requests = EngineSideRequests(model, (request_metrics, self.recent))
+        aggregator = step_aggregator(
+            settings, description, engine_peaks, (requests, self.recent), self.pipeline, errors
+        )
         StepMetrics(model, aggregator, self.registry)
         self.aggregator, self.description = aggregator, description
         # On the hub's own thread: no request path reads the engine's totals on the event loop here, and a scrape
         # hands on what is held under the pipeline's lock (one thread hop and one loop wake-up less per message).
-        self.steps.attach(aggregator.record, on_loop=False)
+        self.steps.attach(self._recorder(aggregator), on_loop=False)
         logger.info(
             "step telemetry for %s on %s (%d engine cores), judged against %s peaks: %.3g GB/s, %.3g TFLOP/s %s",
             model,
@@ -137,6 +144,17 @@ class HubTelemetry:
             facts.dtype,
         )
         self.ready.set()
+
+    def _recorder(self, aggregator: StepAggregator) -> Callable[[StepReport], None]:
+        """Each report to the aggregator, its finished requests' records first to whoever waits for them."""
+        offer, record = self.claims.offer, aggregator.record
+
+        def recorded(report: StepReport) -> None:
+            for finished in report.finished:
+                offer(finished)
+            record(report)
+
+        return recorded
 
 
 @contextlib.asynccontextmanager

@@ -196,8 +196,10 @@ class RequestLifecycle:
             sample.drafted_tokens, sample.accepted_tokens = step.drafted_tokens, step.accepted_tokens
         if step.stamps is not None:
             sample.stamps = step.stamps
-            if step.stamps.first_token_ts > 0.0:
-                sample.read_interference(self._path.interference(step.engine_index))
+        if step.token_ids or (step.stamps is not None and step.stamps.first_token_ts > 0.0):
+            # From the sample's first token on (an engine that sends its stamps only at the end, smg's Rust server,
+            # has its first token read here all the same).
+            sample.read_interference(self._path.interference(step.engine_index))
         if sample.completion_tokens > before:
             self._path.observer.tokens_generated(self._path.model_name, sample.completion_tokens - before)
         if self._path.capture_text and not step.index:

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
 import openai
 import pytest
 
@@ -23,8 +24,10 @@ from phasescope.bench.harness import ManagedProcess, free_port
 from phasescope.bench.targets import VllmEngineTarget
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.bench.workload import BenchRequest, RequestRecord
+from phasescope.client.client import Client
 from phasescope.engine.vllm import TELEMETRY_SCHEDULER
 from phasescope.telemetry.exposition import fetch_samples, sum_samples
+from phasescope.v1 import inference_pb2 as pb
 from support.servers import ServerProcess
 
 STREAMS = 64
@@ -150,18 +153,34 @@ def test_the_hub_learns_the_served_model_and_its_device_from_the_engine_core(hub
     assert "phasescope_hardware_peak_memory_bandwidth_bytes_per_second" in text
 
 
+@dataclass
+class RustServer:
+    server: ServerProcess
+    v1_address: str
+    """Where phasescope.v1 is served beside smg's Rust server."""
+
+    @property
+    def address(self) -> str:
+        return self.server.address
+
+    @property
+    def metrics_url(self) -> str:
+        return self.server.metrics_url
+
+
 @pytest.fixture(scope="module")
-def rust_server(start_server: Callable[..., ServerProcess], tiny_model: Path) -> ServerProcess:
-    return start_server(
-        "--front-end",
-        "rust",
-        "--model",
-        str(tiny_model),
-        "--served-model-name",
-        "tiny",
-        "--max-concurrent-requests",
-        str(STREAMS),
-    )
+def rust_server(start_server: Callable[..., ServerProcess], tiny_model: Path) -> RustServer:
+    v1_port = free_port()
+    server = start_server(
+        "--front-end", "rust", "--model", str(tiny_model), "--served-model-name", "tiny",
+        "--max-concurrent-requests", str(STREAMS), "--v1-port", str(v1_port),
+    )  # fmt: skip
+    v1 = Client(f"127.0.0.1:{v1_port}", timeout_seconds=60)
+    try:
+        server.wait_until(lambda: v1.health() == "SERVING", "phasescope.v1 beside the Rust server")
+    finally:
+        v1.close()
+    return RustServer(server, f"127.0.0.1:{v1_port}")
 
 
 async def _stream_all(address: str, tokenizer: str) -> list[RequestRecord]:
@@ -180,12 +199,90 @@ async def _stream_all(address: str, tokenizer: str) -> list[RequestRecord]:
 
 
 def test_behind_smgs_rust_request_path_the_hub_counts_exactly_what_the_engine_did(
-    rust_server: ServerProcess, tiny_model: Path
+    rust_server: RustServer, tiny_model: Path
 ) -> None:
     # The prefix cache off for the count: each prompt differs, and the cache is flushed first (the Rust server
     # serves vLLM's FlushCache as vLLM's worker does).
-    rust_server.flush_prefix_cache()
+    rust_server.server.flush_prefix_cache()
     records = asyncio.run(_stream_all(rust_server.address, str(tiny_model)))
     assert all(record.output_tokens == OUTPUT_TOKENS for record in records)
     prompt_tokens = sum(record.prompt_tokens for record in records)
     assert_counts_what_the_engine_did(rust_server.metrics_url, prompt_tokens, STREAMS * OUTPUT_TOKENS)
+
+
+def _phase_sums(metrics_url: str) -> dict[str, float]:
+    samples = fetch_samples(metrics_url)
+    sums = {
+        stage: sum_samples(samples, "phasescope_request_phase_seconds_sum", phase=stage)
+        for stage in ("queue", "prefill", "decode")
+    }
+    sums["requests"] = sum_samples(samples, "phasescope_requests_total")
+    return sums
+
+
+def test_phasescope_v1_beside_the_rust_server_answers_with_the_engines_own_stages(rust_server: RustServer) -> None:
+    # One request alone: what its answer says of the engine's stages is what the hub counted for it (the same
+    # engine stamps), and it is counted once, though it came through two front ends.
+    rust_server.server.wait_engine_idle()
+    before = _phase_sums(rust_server.metrics_url)
+    with Client(rust_server.v1_address, timeout_seconds=60) as client:
+        answer = client.generate(
+            pb.GenerateRequest(
+                prompt="the engine's own stages", sampling=pb.SamplingParams(max_tokens=12, ignore_eos=True)
+            )
+        )
+    assert answer.usage.completion_tokens == len(answer.token_ids) == 12
+    assert answer.text  # detokenised beside the Rust server, which returns token ids only
+    eventually(lambda: _phase_sums(rust_server.metrics_url)["requests"] == before["requests"] + 1)
+    after = _phase_sums(rust_server.metrics_url)
+    timings = answer.timings
+    for stage, seconds in (
+        ("queue", timings.queue_seconds),
+        ("prefill", timings.prefill_seconds),
+        ("decode", timings.decode_seconds),
+    ):
+        assert seconds > 0, stage
+        assert after[stage] - before[stage] == pytest.approx(seconds, rel=1e-6, abs=1e-9), stage
+    # What only this front end knows: its own stages, and the whole before the first token.
+    assert timings.frontend_seconds > 0
+    assert timings.time_to_first_token_seconds >= timings.queue_seconds + timings.prefill_seconds
+
+
+def test_phasescope_v1_beside_the_rust_server_cuts_the_text_at_a_stop_string(rust_server: RustServer) -> None:
+    greedy = pb.SamplingParams(max_tokens=16, ignore_eos=True, temperature=0.0)
+    request = pb.GenerateRequest(prompt="the quick brown fox", sampling=greedy)
+    with Client(rust_server.v1_address, timeout_seconds=60) as client:
+        whole = client.generate(request).text
+        stop = whole[len(whole) // 2 : len(whole) // 2 + 3]
+        request.sampling.stop.append(stop)
+        chunks = list(client.generate_stream(request))
+    assert "".join(chunk.text for chunk in chunks) == whole[: whole.index(stop)]
+    assert chunks[-1].finish_reason == pb.FINISH_REASON_STOP
+
+
+def test_phasescope_v1_beside_the_rust_server_refuses_bad_sampling_by_its_field_and_serves_on(
+    rust_server: RustServer,
+) -> None:
+    # smg's Rust server hands a temperature of 5 to the engine core unchecked, whose input thread dies of it: the
+    # request never gets that far.
+    with Client(rust_server.v1_address, timeout_seconds=60) as client:
+        for sampling, field in (
+            (pb.SamplingParams(max_tokens=4, temperature=5.0), "sampling.temperature"),
+            (pb.SamplingParams(max_tokens=4, bad_words=["fox"]), "sampling.bad_words"),
+        ):
+            with pytest.raises(grpc.RpcError) as refused:
+                client.generate(pb.GenerateRequest(prompt="hello", sampling=sampling))
+            assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+            assert (refused.value.details() or "").startswith(field)
+        assert client.generate(pb.GenerateRequest(prompt="hello", sampling=pb.SamplingParams(max_tokens=3))).text
+
+
+def test_a_phasescope_v1_deadline_beside_the_rust_server_frees_the_engine(rust_server: RustServer) -> None:
+    request = pb.GenerateRequest(prompt="long", sampling=pb.SamplingParams(max_tokens=2000, ignore_eos=True))
+    with Client(rust_server.v1_address, timeout_seconds=60) as client, pytest.raises(grpc.RpcError) as ended:
+        for _ in client.generate_stream(request, deadline_seconds=0.5):
+            pass
+    assert ended.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+    # The engine dropped it: it runs nothing long before 2,000 tokens could have been made (several seconds).
+    state = rust_server.server.wait_engine_idle(timeout=3)
+    assert not state["running"], state

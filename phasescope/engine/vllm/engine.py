@@ -67,9 +67,9 @@ def _token_ids(value: Any) -> tuple[int, ...]:
     return tuple(v for v in values if isinstance(v, int) and not isinstance(v, bool) and v >= 0)
 
 
-def _model_facts(llm: Any) -> dict[str, Any]:
+def _model_facts(vllm_config: Any) -> dict[str, Any]:
     """What the engine knows of its model and cache beyond the cost model (vLLM's configs)."""
-    model_config, cache = llm.model_config, llm.vllm_config.cache_config
+    model_config, cache = vllm_config.model_config, vllm_config.cache_config
     hf_config = model_config.hf_config
     defaults = model_config.get_diff_sampling_param() or {}
     blocks, block_size = cache.num_gpu_blocks or 0, cache.block_size or 0
@@ -82,7 +82,7 @@ def _model_facts(llm: Any) -> dict[str, Any]:
         "sampling_defaults": tuple(
             (key, float(defaults[key])) for key in _SAMPLING_DEFAULT_KEYS if defaults.get(key) is not None
         ),
-        "max_num_seqs": int(llm.vllm_config.scheduler_config.max_num_seqs),
+        "max_num_seqs": int(vllm_config.scheduler_config.max_num_seqs),
         "kv_cache_capacity_tokens": blocks * block_size,
         "kv_cache_block_size": block_size,
         "kv_cache_dtype": str(cache.cache_dtype),
@@ -327,6 +327,114 @@ def engine_arguments(options: EngineOptions, model_path: str, served_model_name:
     return engine_args, kv_transfer
 
 
+def describe(
+    vllm_config: Any,
+    model_path: str,
+    served_model_name: str,
+    *,
+    kv_connector: KvConnector | None = None,
+    kv_event_publishers: tuple[KvEventPublisher, ...] = (),
+) -> ModelDescription:
+    """The model and engine as vLLM's configuration says (the KV cache's size once the engine has measured it)."""
+    import vllm
+    from vllm.platforms import current_platform
+
+    model_config = vllm_config.model_config
+    hf_config = model_config.hf_config.to_dict()
+    served_dtype = str(model_config.dtype).removeprefix("torch.")
+    parallel = vllm_config.parallel_config
+    cache_dtype = str(vllm_config.cache_config.cache_dtype)
+    cost = model_cost(hf_config, Path(model_path), served_dtype, cache_dtype).sharded(
+        parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    )
+    return ModelDescription(
+        model_name=served_model_name,
+        model_path=model_path,
+        max_context_length=model_config.max_model_len,
+        dtype=served_dtype,
+        vocab_size=model_config.get_vocab_size(),
+        engine="vllm",
+        engine_version=vllm.__version__,
+        device=device_name(),
+        data_parallel_size=parallel.data_parallel_size,
+        tensor_parallel_size=parallel.tensor_parallel_size,
+        pipeline_parallel_size=parallel.pipeline_parallel_size,
+        cost=cost,
+        on_cpu=current_platform.is_cpu(),
+        kv_event_publishers=kv_event_publishers,
+        speculative=_speculative(
+            vllm_config.speculative_config,
+            cache_dtype,
+            (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
+        ),
+        kv_connector=kv_connector,
+        **_model_facts(vllm_config),
+    )
+
+
+def tokenize_input(tokenizer: Any, parsed: ParsedInput) -> list[int]:
+    """Token ids the model sees for this input, by the model's tokenizer (a chat rendered with its template)."""
+    if parsed.kind == "token_ids":
+        return list(parsed.token_ids)
+    if parsed.kind == "prompt":
+        return list(tokenizer.encode(parsed.prompt))
+    messages = [{"role": turn.role, "content": turn.content} for turn in parsed.chat]
+    try:
+        rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    except Exception as exc:  # jinja2 raises TemplateError subclasses for chats the template refuses
+        raise InvalidRequestError("chat", f"the model's chat template refused it: {exc}") from exc
+    # The template already wrote the special tokens; encoding must not add more.
+    return list(tokenizer.encode(str(rendered), add_special_tokens=False))
+
+
+def sampling_params(spec: SamplingSpec, defaults: dict[str, Any]) -> Any:
+    """vLLM's `SamplingParams` for the spec over the generation config's `defaults`; what vLLM refuses is an
+    `InvalidRequestError` naming the parameter."""
+    from vllm.exceptions import VLLMClientError
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    values: dict[str, Any] = dict(defaults)
+    # The model's defaults give way to what the request chose (None: not chosen).
+    for name in _CHOSEN_SAMPLING:
+        value = getattr(spec, name)
+        if value is not None:
+            values[name] = value
+    structured = _structured_outputs(spec.structured) if spec.structured is not None else None
+    # The connector's parameters, as vLLM's own servicer hands them to the engine (its scheduler reads them from
+    # here when the request arrives, and its connector from the request).
+    extra_args = {"kv_transfer_params": dict(spec.kv_transfer.params)} if spec.kv_transfer is not None else None
+    try:
+        return SamplingParams(
+            # Validated at n (vLLM's rules for n); the samples run as n requests (`_sample_params`).
+            n=spec.n,
+            max_tokens=spec.max_tokens,
+            stop=list(spec.stop) or None,
+            stop_token_ids=list(spec.stop_token_ids) or None,
+            ignore_eos=spec.ignore_eos,
+            min_tokens=spec.min_tokens,
+            logit_bias=dict(spec.logit_bias) or None,
+            include_stop_str_in_output=spec.include_stop_str_in_output,
+            logprobs=spec.logprobs,
+            prompt_logprobs=spec.prompt_logprobs,
+            bad_words=list(spec.bad_words) or None,
+            skip_special_tokens=spec.skip_special_tokens,
+            spaces_between_special_tokens=spec.spaces_between_special_tokens,
+            structured_outputs=structured,
+            detokenize=spec.detokenize,
+            stream_interval=spec.stream_interval,
+            # Each engine step's new tokens only: the stream forwards them as they come.
+            output_kind=RequestOutputKind.DELTA,
+            extra_args=extra_args,
+            **values,
+        )
+    except (ValueError, VLLMClientError) as exc:
+        # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
+        parameter = getattr(exc, "parameter", None)
+        if parameter == "extra_args" and spec.kv_transfer is not None:
+            raise InvalidRequestError(spec.kv_transfer.field, str(exc)) from exc
+        raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
+
+
 class VllmEngine:
     """One `AsyncLLM` (with its engine-core processes) serving one model."""
 
@@ -363,9 +471,7 @@ class VllmEngine:
         Every engine step is reported to `steps` by the engine core that ran it (through a hub this engine owns);
         vLLM's own series wait in `pipeline` with the rest.
         """
-        import vllm
         import vllm.envs
-        from vllm.platforms import current_platform
         from vllm.v1.engine.async_llm import AsyncLLM
 
         engine_args, kv_transfer = engine_arguments(options, model_path, served_model_name)
@@ -384,36 +490,12 @@ class VllmEngine:
             hub.close()
             raise
         try:
-            model_config = llm.model_config
-            hf_config = model_config.hf_config.to_dict()
-            served_dtype = str(model_config.dtype).removeprefix("torch.")
-            parallel = llm.vllm_config.parallel_config
-            cost = model_cost(
-                hf_config, Path(model_path), served_dtype, str(llm.vllm_config.cache_config.cache_dtype)
-            ).sharded(parallel.tensor_parallel_size, parallel.pipeline_parallel_size)
-            device = device_name()
-            description = ModelDescription(
-                model_name=served_model_name,
-                model_path=model_path,
-                max_context_length=model_config.max_model_len,
-                dtype=served_dtype,
-                vocab_size=model_config.get_vocab_size(),
-                engine="vllm",
-                engine_version=vllm.__version__,
-                device=device,
-                data_parallel_size=parallel.data_parallel_size,
-                tensor_parallel_size=parallel.tensor_parallel_size,
-                pipeline_parallel_size=parallel.pipeline_parallel_size,
-                cost=cost,
-                on_cpu=current_platform.is_cpu(),
-                kv_event_publishers=_kv_event_publishers(llm),
-                speculative=_speculative(
-                    llm.vllm_config.speculative_config,
-                    str(llm.vllm_config.cache_config.cache_dtype),
-                    (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
-                ),
+            description = describe(
+                llm.vllm_config,
+                model_path,
+                served_model_name,
                 kv_connector=_kv_connector(kv_transfer.given if kv_transfer is not None else None),
-                **_model_facts(llm),
+                kv_event_publishers=_kv_event_publishers(llm),
             )
             engine = cls(llm, description, hub)
         except BaseException:
@@ -441,62 +523,10 @@ class VllmEngine:
         return bool(self._llm.errored)
 
     def tokenize(self, parsed: ParsedInput) -> list[int]:
-        if parsed.kind == "token_ids":
-            return list(parsed.token_ids)
-        if parsed.kind == "prompt":
-            return list(self._tokenizer.encode(parsed.prompt))
-        messages = [{"role": turn.role, "content": turn.content} for turn in parsed.chat]
-        try:
-            rendered = self._tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        except Exception as exc:  # jinja2 raises TemplateError subclasses for chats the template refuses
-            raise InvalidRequestError("chat", f"the model's chat template refused it: {exc}") from exc
-        # The template already wrote the special tokens; encoding must not add more.
-        return list(self._tokenizer.encode(str(rendered), add_special_tokens=False))
+        return tokenize_input(self._tokenizer, parsed)
 
     def _sampling_params(self, spec: SamplingSpec) -> Any:
-        from vllm.exceptions import VLLMClientError
-        from vllm.sampling_params import RequestOutputKind, SamplingParams
-
-        values: dict[str, Any] = dict(self._default_sampling)
-        # The model's defaults give way to what the request chose (None: not chosen).
-        for name in _CHOSEN_SAMPLING:
-            value = getattr(spec, name)
-            if value is not None:
-                values[name] = value
-        structured = _structured_outputs(spec.structured) if spec.structured is not None else None
-        # The connector's parameters, as vLLM's own servicer hands them to the engine (its scheduler reads them from
-        # here when the request arrives, and its connector from the request).
-        extra_args = {"kv_transfer_params": dict(spec.kv_transfer.params)} if spec.kv_transfer is not None else None
-        try:
-            return SamplingParams(
-                # Validated at n (vLLM's rules for n); the samples run as n requests (`_sample_params`).
-                n=spec.n,
-                max_tokens=spec.max_tokens,
-                stop=list(spec.stop) or None,
-                stop_token_ids=list(spec.stop_token_ids) or None,
-                ignore_eos=spec.ignore_eos,
-                min_tokens=spec.min_tokens,
-                logit_bias=dict(spec.logit_bias) or None,
-                include_stop_str_in_output=spec.include_stop_str_in_output,
-                logprobs=spec.logprobs,
-                prompt_logprobs=spec.prompt_logprobs,
-                bad_words=list(spec.bad_words) or None,
-                skip_special_tokens=spec.skip_special_tokens,
-                spaces_between_special_tokens=spec.spaces_between_special_tokens,
-                structured_outputs=structured,
-                detokenize=spec.detokenize,
-                stream_interval=spec.stream_interval,
-                # Each engine step's new tokens only: the stream forwards them as they come.
-                output_kind=RequestOutputKind.DELTA,
-                extra_args=extra_args,
-                **values,
-            )
-        except (ValueError, VLLMClientError) as exc:
-            # The engine's own rules (e.g. temperature at most 2) name the parameter they refuse.
-            parameter = getattr(exc, "parameter", None)
-            if parameter == "extra_args" and spec.kv_transfer is not None:
-                raise InvalidRequestError(spec.kv_transfer.field, str(exc)) from exc
-            raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
+        return sampling_params(spec, self._default_sampling)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec

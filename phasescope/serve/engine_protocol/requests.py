@@ -15,7 +15,7 @@ from __future__ import annotations
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_servicer.vllm.kv_transfer import params_from_request
 
-from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
+from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput, SamplingSpec
 from phasescope.errors import InvalidRequestError
 from phasescope.serve.path import GenerationAsk
 from phasescope.serve.validation import (
@@ -119,3 +119,44 @@ def sampling_ask(sampling: pb.SamplingParams) -> SamplingAsk:
         # 0 is "not set", as vLLM's servicer reads it (n > 0 else 1).
         n=sampling.n or None,
     )
+
+
+def sampling_message(spec: SamplingSpec) -> pb.SamplingParams:
+    """A validated spec as this protocol's sampling message (what phasescope.v1 sends smg's Rust server beside it):
+    `sampling_ask` reads it back as the same values. What the protocol cannot carry is refused naming the field
+    the phasescope.v1 request set (`sampling.` + its name)."""
+    if spec.bad_words:
+        raise InvalidRequestError("sampling.bad_words", "is not served behind smg's Rust request path")
+    if spec.seed is not None and not -(2**31) <= spec.seed < 2**31:
+        raise InvalidRequestError("sampling.seed", "must fit 32 bits behind smg's Rust request path")
+    message = pb.SamplingParams(
+        temperature=spec.temperature,
+        top_p=spec.top_p or 0.0,
+        top_k=spec.top_k if spec.top_k is not None and spec.top_k > 0 else 0,
+        min_p=spec.min_p or 0.0,
+        frequency_penalty=spec.frequency_penalty or 0.0,
+        presence_penalty=spec.presence_penalty or 0.0,
+        repetition_penalty=spec.repetition_penalty or 0.0,
+        max_tokens=spec.max_tokens,
+        min_tokens=spec.min_tokens,
+        stop=spec.stop,
+        stop_token_ids=spec.stop_token_ids,
+        skip_special_tokens=spec.skip_special_tokens,
+        spaces_between_special_tokens=spec.spaces_between_special_tokens,
+        ignore_eos=spec.ignore_eos,
+        n=spec.n,
+        logprobs=spec.logprobs,
+        prompt_logprobs=spec.prompt_logprobs,
+        seed=spec.seed,
+        include_stop_str_in_output=spec.include_stop_str_in_output,
+        logit_bias=dict(spec.logit_bias),
+    )
+    structured = spec.structured
+    if structured is not None:
+        if structured.kind == "choice":
+            message.choice.choices.extend(structured.choices)
+        elif structured.kind == "json_object":
+            message.json_object = True
+        else:
+            setattr(message, structured.kind, structured.value)
+    return message

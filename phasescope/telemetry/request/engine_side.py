@@ -13,6 +13,9 @@ implies (stop and length: OK; abort: CANCELLED; error: INTERNAL); a stop string 
 
 from __future__ import annotations
 
+import asyncio
+import threading
+
 from phasescope.telemetry.request.observer import RequestObserver
 from phasescope.telemetry.request.phases import (
     EngineTimestamps,
@@ -30,12 +33,55 @@ CODE_OF_FINISH = {"stop": "OK", "length": "OK", "abort": "CANCELLED", "error": "
 _NO_FRONT_END = FrontendTimestamps(entry=0.0, wall_at_entry=0.0)
 
 
-class EngineSideRequests(StepSink):
-    """Each engine-side request record, and each output batch's tokens, as the request observers' calls."""
+class RecordClaims:
+    """Engine records a front end waits for, by the id the engine core ran the request under: phasescope.v1 beside
+    smg's Rust server reads its requests' engine stamps from them. Offered as the hub receives them, before the
+    telemetry pipeline holds them (a response does not wait for a scrape). Thread-safe: a record is offered from
+    the hub's thread, and the claimant's event loop is woken with it."""
 
-    def __init__(self, model: str, observers: tuple[RequestObserver, ...]) -> None:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._waiting: dict[str, tuple[asyncio.AbstractEventLoop, asyncio.Future[EngineRequestRecord]]] = {}
+
+    def claim(self, engine_request_id: str) -> asyncio.Future[EngineRequestRecord]:
+        """The record of the request the engine runs as `engine_request_id`, once it comes (on the running loop;
+        `release` it when no longer waited for)."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[EngineRequestRecord] = loop.create_future()
+        with self._lock:
+            self._waiting[engine_request_id] = (loop, future)
+        return future
+
+    def release(self, engine_request_id: str) -> None:
+        with self._lock:
+            self._waiting.pop(engine_request_id, None)
+
+    def offer(self, record: EngineRequestRecord) -> None:
+        """A finished request's record: to its claimant, if it has one."""
+        with self._lock:
+            waiting = self._waiting.pop(record.request_id, None)
+        if waiting is not None:
+            loop, future = waiting
+            loop.call_soon_threadsafe(_resolve, future, record)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._waiting)
+
+
+def _resolve(future: asyncio.Future[EngineRequestRecord], record: EngineRequestRecord) -> None:
+    if not future.done():
+        future.set_result(record)
+
+
+class EngineSideRequests(StepSink):
+    """Each engine-side request record, and each output batch's tokens, as the request observers' calls (and to
+    `claims`, the records a front end waits for)."""
+
+    def __init__(self, model: str, observers: tuple[RequestObserver, ...], claims: RecordClaims | None = None) -> None:
         self._model = model
         self._observers = observers
+        self._claims = claims
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         if iteration.emitted_tokens:

@@ -361,3 +361,11 @@ def test_the_rust_front_end_refuses_what_smgs_rust_server_does_not_do(tmp_path: 
     tokens.write_text("secret\n")
     with pytest.raises(SettingsError, match="--front-end rust: smg's Rust server does no TLS"):
         parse_settings(["--front-end", "rust", "--auth-tokens-file", str(tokens)], environ={})
+
+
+def test_phasescope_v1_beside_the_rust_server_listens_next_to_it_unless_told() -> None:
+    assert parse_settings(["--front-end", "rust", "--port", "7000"], environ={}).effective_v1_port == 7001
+    assert parse_settings(["--front-end", "rust", "--v1-port", "7100"], environ={}).effective_v1_port == 7100
+    assert parse_settings(["--front-end", "rust", "--v1-port", "0"], environ={}).effective_v1_port == 0
+    # The Python front end serves phasescope.v1 on --port itself.
+    assert parse_settings(["--v1-port", "7100"], environ={}).effective_v1_port == 0

@@ -1,5 +1,6 @@
 """The hub on its own (behind a front end phasescope does not run): its series wired from the engine cores' facts."""
 
+import asyncio
 import logging
 
 import pytest
@@ -9,7 +10,7 @@ from phasescope.serve import hub
 from phasescope.serve.config import Settings
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.step.records import StepForwarder, StepRecord, StepReport
+from phasescope.telemetry.step.records import EngineRequestRecord, StepForwarder, StepRecord, StepReport
 from support.engine_facts import tiny_engine_facts
 
 FACTS = tiny_engine_facts()
@@ -56,3 +57,20 @@ async def test_a_device_without_the_served_dtypes_peak_is_one_error_line_and_no_
     (record,) = caplog.records
     assert "no step series for tiny on cpu (test)" in record.getMessage()
     assert "--peak-flops" in record.getMessage()
+
+
+async def test_a_finished_requests_record_reaches_whoever_waits_for_it_before_any_scrape(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # phasescope.v1 beside smg's Rust server ends each answer with its engine record's stamps: the record may not
+    # wait in the telemetry pipeline for the next scrape.
+    judged_against(monkeypatch, HardwarePeaks("cpu", 1e10, {"fp32": 1e11}, "flag"))
+    wired = telemetry(CollectorRegistry())
+    wired.engine_facts(FACTS)
+    assert wired._attaching is not None
+    await wired._attaching
+    waited = wired.claims.claim("req-1")
+    finished = EngineRequestRecord(0, "length", 5, 0, 3, 1.0, 1.1, 1.2, 1.3, request_id="req-1")
+    wired.steps.report_batch([StepReport(finished=(finished,))])
+    assert wired.pipeline.held  # the series still wait for a reader
+    assert await asyncio.wait_for(waited, 5) == finished

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 
 import pytest
@@ -15,6 +16,7 @@ from phasescope.serve.path import RequestPath, new_engine_request_id
 from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup
 from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
+from phasescope.telemetry.step.interference import Interference
 
 
 class Recorder:
@@ -259,3 +261,18 @@ async def test_every_way_a_request_ends_stops_it_waiting_for_a_first_token() -> 
         unary.chunk_written()
         assert requests.first_token_waits.count == 0
     assert requests.first_token_waits.count == 0
+
+
+async def test_an_engine_that_stamps_only_at_the_end_has_its_decode_interference_read_from_its_first_token() -> None:
+    # Beside smg's Rust server the engine stamps arrive with the request's end: the interference the decode shared
+    # is still what the engine's totals moved between the sample's first token and its end.
+    totals = iter([Interference(stalled_seconds=1.0, extra_seconds=0.5), Interference(3.0, 1.25)])
+    requests = path(Recorder())
+    requests.interference = lambda engine: next(totals)
+    async with requests.begin(True, Deadline()) as request, request.admitted(""):
+        hand(request)
+        request.took(dataclasses.replace(step(1), stamps=None))
+        request.took(dataclasses.replace(step(3, finished=True), token_ids=()))
+    timings = request.timings()
+    assert timings.decode_stalled_by_prefill_seconds == pytest.approx(2.0)
+    assert timings.decode_prefill_interference_seconds == pytest.approx(0.75)
