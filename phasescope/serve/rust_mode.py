@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import itertools
 import json
 import logging
 from collections.abc import AsyncGenerator
@@ -103,6 +104,9 @@ class RustWorkerEngine:
         self._aborting: set[str] = set()
         self._dead = False
         self._late_records = 0
+        # With data parallelism each request names its engine core, in turn: its chunks' decode is read from that
+        # core's interference ledger from the first token on (the Rust server would choose one unseen).
+        self._ranks = itertools.cycle(range(description.data_parallel_size))
 
     @property
     def description(self) -> ModelDescription:
@@ -132,16 +136,24 @@ class RustWorkerEngine:
         )
         if sampling.kv_transfer is not None:
             request.kv_transfer_params_json = json.dumps(sampling.kv_transfer.params)
+        engine_index = next(self._ranks)
+        if self._description.data_parallel_size > 1:
+            request.data_parallel_rank = engine_index
         detokenizers = (
             [self._text.detokenizer(request_id, prompt_token_ids, sampling) for _ in range(sampling.n)]
             if sampling.detokenize
             else None
         )
         unnamed = sampling.structured.field if sampling.structured is not None else "request"
-        return self._steps(request, sampling.n, detokenizers, unnamed)
+        return self._steps(request, sampling.n, detokenizers, unnamed, engine_index)
 
     async def _steps(
-        self, request: pb.GenerateRequest, n: int, detokenizers: list[Detokenizer] | None, unnamed: str
+        self,
+        request: pb.GenerateRequest,
+        n: int,
+        detokenizers: list[Detokenizer] | None,
+        unnamed: str,
+        engine_index: int,
     ) -> AsyncGenerator[EngineStep, None]:
         request_id = request.request_id
         # The ids the engine core runs the samples under (smg's Rust server: the id sent, `{id}-{i}` for n > 1).
@@ -162,6 +174,7 @@ class RustWorkerEngine:
                         completion_tokens=chunk.completion_tokens,
                         cached_prompt_tokens=chunk.cached_tokens,
                         stamps=None,
+                        engine_index=engine_index,
                         index=chunk.index,
                         logprobs=_logprobs(chunk.output_logprobs) if chunk.HasField("output_logprobs") else (),
                         prompt_logprobs=_prompt_logprobs(chunk.input_logprobs)
@@ -185,7 +198,7 @@ class RustWorkerEngine:
                     completion_tokens=complete.completion_tokens,
                     cached_prompt_tokens=complete.cached_tokens,
                     stamps=_stamps(record),
-                    engine_index=record.engine if record is not None else 0,
+                    engine_index=engine_index,
                     stop_reason=getattr(complete, matched) if matched is not None else None,
                     index=complete.index,
                     drafted_tokens=complete.spec_draft_tokens,
