@@ -9,6 +9,7 @@ own series where vLLM exports them.
 from __future__ import annotations
 
 import asyncio
+import subprocess
 import sys
 import time
 import urllib.request
@@ -286,3 +287,17 @@ def test_a_phasescope_v1_deadline_beside_the_rust_server_frees_the_engine(rust_s
     # The engine dropped it: it runs nothing long before 2,000 tokens could have been made (several seconds).
     state = rust_server.server.wait_engine_idle(timeout=3)
     assert not state["running"], state
+
+
+def test_phasescope_top_watches_the_engine_beside_the_rust_server(rust_server: RustServer) -> None:
+    # WatchTelemetry on the phasescope.v1 port reads the hub's own aggregator: the engine whose requests came by
+    # the Rust port, which the tests above sent.
+    result = subprocess.run(
+        [sys.executable, "-m", "phasescope", "top", "--address", rust_server.v1_address, "--once", "--width", "100"],
+        capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    text = result.stdout
+    assert text.startswith("phasescope top · ")
+    assert any(line.startswith("engine 0") for line in text.splitlines()), text
+    assert any(line.startswith("decode ") for line in text.splitlines()), text
