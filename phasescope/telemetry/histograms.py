@@ -43,13 +43,22 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
             histogram.observe(amount)
         return
     total, buckets = histogram._sum, histogram._buckets
-    # observe() counts an amount in the first bucket whose bound is >= it (a NaN in none): the left insertion
-    # point, past the last bucket (+Inf) for a NaN.
-    counts = np.bincount(bounds.searchsorted(np.asarray(amounts, dtype=float), side="left"), minlength=len(bounds))
     with total._lock:
         running = total._value
         for amount in amounts:
             running += amount
         total._value = running
-    for index in np.flatnonzero(counts[: len(bounds)]).tolist():
-        buckets[index].inc(int(counts[index]))
+    # observe() counts an amount in the first bucket whose bound is >= it (a NaN in none): the left insertion
+    # point, past the last bucket (+Inf) for a NaN.
+    first = amounts[0]
+    if amounts.count(first) == len(amounts):
+        # All one value, as an engine step's inter-token gaps most often are (each request that decoded got its
+        # previous token from the previous step): one bucket.
+        index = int(bounds.searchsorted(first, side="left"))
+        if index < len(bounds):
+            buckets[index].inc(len(amounts))
+        return
+    counts = np.bincount(bounds.searchsorted(np.asarray(amounts, dtype=float), side="left"), minlength=len(bounds))
+    counted = counts[: len(bounds)].nonzero()[0]
+    for index, count in zip(counted.tolist(), counts[counted].tolist(), strict=True):
+        buckets[index].inc(count)

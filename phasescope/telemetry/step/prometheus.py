@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from phasescope.telemetry.children import Children
+from phasescope.telemetry.children import Children, CounterSeries, SumCounter
 from phasescope.telemetry.histograms import observe_all
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
@@ -43,7 +43,7 @@ class StepMetrics(StepSink, Collector):
         self._dtype = steps.dtype
         engines = self._engines = steps.engines
         labels = ["model", "engine", "phase"]
-        self.flops = Counter(
+        self.flops = SumCounter(
             "phasescope_model_flops",
             "Modelled FLOPs of the engine's steps on each device, per phase (the engine's estimate when it gives "
             "one, else the cost model's: 2 × active parameters per token + attention); mixed steps split in the "
@@ -51,85 +51,85 @@ class StepMetrics(StepSink, Collector):
             labels,
             registry=registry,
         )
-        self.bytes_read = Counter(
+        self.bytes_read = SumCounter(
             "phasescope_model_read_bytes",
             "Modelled bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
             "in a mixed step decode pays the weights and its own KV, the prefill chunk only what it adds.",
             labels,
             registry=registry,
         )
-        self.written_bytes = Counter(
+        self.written_bytes = SumCounter(
             "phasescope_model_written_bytes",
             "Modelled bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
             "decode pays its tokens' KV, the prefill chunk the rest.",
             labels,
             registry=registry,
         )
-        self.busy_seconds = Counter(
+        self.busy_seconds = SumCounter(
             "phasescope_engine_busy_seconds",
             "Seconds the engine spent executing steps, per phase (mixed steps split by each phase's roofline time).",
             labels,
             registry=registry,
         )
-        self.step_tokens = Counter(
+        self.step_tokens = SumCounter(
             "phasescope_engine_step_tokens",
             "Tokens the engine's steps processed, per phase, as the engine scheduled them (prefill chunks and "
             "recomputation after preemption count as prefill).",
             labels,
             registry=registry,
         )
-        self.steps = Counter(
+        self.steps = SumCounter(
             "phasescope_engine_steps",
             "Engine steps by kind: prefill (prompt chunks only), decode (decodes only), mixed (both).",
             ["model", "engine", "kind"],
             registry=registry,
         )
-        self.telemetry_dropped_reports = Counter(
+        self.telemetry_dropped_reports = SumCounter(
             "phasescope_engine_telemetry_dropped_reports",
             "Step reports an engine core's publisher dropped rather than wait (its queue full, or the hub slow or "
             "gone): steps missing from every phasescope series.",
             ["model", "engine"],
             registry=registry,
         )
-        self.telemetry_hook_seconds = Counter(
+        self.telemetry_hook_seconds = SumCounter(
             "phasescope_engine_telemetry_hook_seconds",
             "Time the engine loop spent in phasescope's step accounting (building and queueing each step's "
             "report); ÷ phasescope_engine_telemetry_hook_calls_total is its cost per step.",
             ["model", "engine"],
             registry=registry,
         )
-        self.telemetry_hook_calls = Counter(
+        self.telemetry_hook_calls = SumCounter(
             "phasescope_engine_telemetry_hook_calls",
             "Engine-core steps phasescope's step accounting ran for (steps that scheduled nothing included).",
             ["model", "engine"],
             registry=registry,
         )
-        self.preemptions = Counter(
+        self.preemptions = SumCounter(
             "phasescope_preemptions",
             "Requests the engine preempted (KV cache full): each recomputes its tokens when resumed.",
             ["model", "engine"],
             registry=registry,
         )
-        self.speculative_drafts = Counter(
+        self.speculative_drafts = SumCounter(
             "phasescope_speculative_drafts",
             "Drafts the engine verified (one per sequence per verify step), under speculative decoding.",
             ["model", "engine"],
             registry=registry,
         )
-        self.speculative_drafted_tokens = Counter(
+        self.speculative_drafted_tokens = SumCounter(
             "phasescope_speculative_drafted_tokens",
             "Tokens the drafter proposed and the engine verified (vllm:spec_decode_num_draft_tokens).",
             ["model", "engine"],
             registry=registry,
         )
-        self.speculative_accepted_tokens = Counter(
+        self.speculative_accepted_tokens = SumCounter(
             "phasescope_speculative_accepted_tokens",
             "Drafted tokens the verification accepted (vllm:spec_decode_num_accepted_tokens); acceptance rate = "
             "accepted ÷ drafted, mean acceptance length = 1 + accepted ÷ drafts.",
             ["model", "engine"],
             registry=registry,
         )
-        self.speculative_accepted_by_position = Counter(
+        self.speculative_accepted_by_position = SumCounter(
             "phasescope_speculative_accepted_tokens_by_position",
             "Drafted tokens accepted at each draft position (0: the first drafted token); ÷ drafts is that "
             "position's acceptance.",
@@ -169,6 +169,8 @@ class StepMetrics(StepSink, Collector):
         # Each engine's last scheduler state: most steps report the same one again, and its gauges keep it.
         self._last_queue: dict[int, SchedulerState] = {}
         self._last_publisher: dict[int, PublisherHealth] = {}
+        # Each (engine, phase)'s series of flops, bytes_read, written_bytes, busy_seconds and step_tokens.
+        self._phase_series: dict[tuple[str, str], tuple[CounterSeries, ...]] = {}
         registry.register(self)
         steps.add_sink(self)
 
@@ -192,33 +194,44 @@ class StepMetrics(StepSink, Collector):
             (self.telemetry_hook_seconds, health.hook_seconds, last.hook_seconds if last else 0.0),
             (self.telemetry_hook_calls, health.hook_calls, last.hook_calls if last else 0),
         ):
-            self._child(counter, *labels).inc(now - before if now >= before else now)
+            counter.inc(now - before if now >= before else now, *labels)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         # A step's gaps observed together (one per running request).
         observe_all(self._inter_token, iteration.inter_token_seconds)
         if iteration.preemptions:
-            self._child(self.preemptions, self._model, str(iteration.engine)).inc(iteration.preemptions)
+            self.preemptions.inc(iteration.preemptions, self._model, str(iteration.engine))
 
     def step(self, step: StepRecord, cost: StepCost) -> None:
         engine = str(step.engine)
-        self._child(self.steps, self._model, engine, step.kind).inc()
+        self.steps.inc(1, self._model, engine, step.kind)
         for phase, share in cost.shares.items():
             if share.tokens == 0:
                 continue
-            labels = (self._model, engine, phase)
-            self._child(self.flops, *labels).inc(share.flops)
-            self._child(self.bytes_read, *labels).inc(share.read_bytes)
-            self._child(self.written_bytes, *labels).inc(share.written_bytes)
-            self._child(self.busy_seconds, *labels).inc(share.seconds)
-            self._child(self.step_tokens, *labels).inc(share.tokens)
+            try:
+                series = self._phase_series[(engine, phase)]
+            except KeyError:
+                labels = (self._model, engine, phase)
+                series = self._phase_series[(engine, phase)] = (
+                    self.flops.labels(*labels),
+                    self.bytes_read.labels(*labels),
+                    self.written_bytes.labels(*labels),
+                    self.busy_seconds.labels(*labels),
+                    self.step_tokens.labels(*labels),
+                )
+            flops, read_bytes, written_bytes, busy_seconds, tokens = series
+            flops.inc(share.flops)
+            read_bytes.inc(share.read_bytes)
+            written_bytes.inc(share.written_bytes)
+            busy_seconds.inc(share.seconds)
+            tokens.inc(share.tokens)
         if (speculative := step.speculative) is not None:
             model = self._model
-            self._child(self.speculative_drafts, model, engine).inc(speculative.drafts)
-            self._child(self.speculative_drafted_tokens, model, engine).inc(speculative.drafted_tokens)
-            self._child(self.speculative_accepted_tokens, model, engine).inc(speculative.accepted_tokens)
+            self.speculative_drafts.inc(speculative.drafts, model, engine)
+            self.speculative_drafted_tokens.inc(speculative.drafted_tokens, model, engine)
+            self.speculative_accepted_tokens.inc(speculative.accepted_tokens, model, engine)
             for position, accepted in enumerate(speculative.accepted_by_position):
-                self._child(self.speculative_accepted_by_position, model, engine, str(position)).inc(accepted)
+                self.speculative_accepted_by_position.inc(accepted, model, engine, str(position))
 
     def collect(self) -> Iterator[Metric]:
         self._steps.hand_on()
