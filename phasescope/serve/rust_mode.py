@@ -52,6 +52,10 @@ RECORD_WAIT_SECONDS = 2.0
 START_TIMEOUT_SECONDS = 600.0
 
 
+class EngineRequestFailedError(RuntimeError):
+    """The engine ended one request with an error and serves on (INTERNAL: the status table's default)."""
+
+
 def _logprobs(message: Any) -> tuple[TokenLogprob, ...]:
     """The protocol's per-position log probabilities as the project's values."""
     tops = list(message.top_logprobs)
@@ -186,7 +190,7 @@ class RustWorkerEngine:
                 if complete.finish_reason == "abort" and request_id not in self._aborting:
                     raise EngineUnavailableError("smg's Rust server aborted the request (its engine stopped)")
                 if complete.finish_reason == "error":
-                    raise EngineUnavailableError("the engine finished the request with an error (see its log)")
+                    raise EngineRequestFailedError("the engine finished the request with an error (see its log)")
                 record = await self._record(records[complete.index])
                 unfinished -= 1
                 matched = complete.WhichOneof("matched_stop")

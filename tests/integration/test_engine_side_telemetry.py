@@ -270,6 +270,11 @@ def test_phasescope_v1_beside_the_rust_server_refuses_bad_sampling_by_its_field_
         for sampling, field in (
             (pb.SamplingParams(max_tokens=4, temperature=5.0), "sampling.temperature"),
             (pb.SamplingParams(max_tokens=4, bad_words=["fox"]), "sampling.bad_words"),
+            # What vLLM's front end checks against the model: its grammar backend compiles the schema.
+            (
+                pb.SamplingParams(max_tokens=4, structured=pb.StructuredOutput(json_schema="{not json")),
+                "sampling.structured.json_schema",
+            ),
         ):
             with pytest.raises(grpc.RpcError) as refused:
                 client.generate(pb.GenerateRequest(prompt="hello", sampling=sampling))

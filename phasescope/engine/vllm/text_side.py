@@ -16,6 +16,7 @@ from typing import Any
 from phasescope.engine.base import EngineOptions, ModelDescription
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.engine.vllm.engine import describe, engine_arguments, engine_config, sampling_params, tokenize_input
+from phasescope.errors import InvalidRequestError
 
 
 @dataclass(frozen=True, slots=True)
@@ -90,9 +91,23 @@ class TextSide:
         return tokenize_input(self._tokenizer, parsed)
 
     def check(self, spec: SamplingSpec) -> None:
-        """Refuse what vLLM's rules refuse (an `InvalidRequestError` naming the field), before it is sent: the
-        Rust server hands some values to the engine core unchecked."""
-        sampling_params(spec, self._defaults)
+        """Refuse what vLLM's front end refuses (an `InvalidRequestError` naming the field) before it is sent: its
+        sampling rules, and what it checks against the model (log probabilities, logit bias and stop token ids
+        within the vocabulary, a structured output its grammar backend compiles). The Rust server hands some values
+        to the engine core unchecked."""
+        from vllm.exceptions import VLLMClientError
+
+        params = sampling_params(spec, self._defaults)
+        config = self._vllm_config
+        try:
+            params.verify(
+                config.model_config, config.speculative_config, config.structured_outputs_config, self._tokenizer
+            )
+        except (ValueError, VLLMClientError) as exc:
+            parameter = getattr(exc, "parameter", None)
+            if parameter is None and spec.structured is not None:
+                raise InvalidRequestError(spec.structured.field or "sampling", str(exc)) from exc
+            raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
 
     def detokenizer(self, request_id: str, prompt_token_ids: list[int], spec: SamplingSpec) -> Detokenizer:
         """A sample's detokenizer, primed with its prompt."""
