@@ -141,7 +141,14 @@ def test_decode_operating_point_holds_while_prompts_keep_arriving(server: Server
             for index in range(3):
                 prompt = distinct_prompt(prompt_tokens, seed=prompt_tokens + index)
                 client.generate(build_request(token_ids=prompt, max_tokens=1))
+        # The last prompt's step reaches the series a moment after its answer (its report crosses from the hub's
+        # thread to the event loop): read once it has, while the four still decode.
+        deadline = time.monotonic() + 10
         mixed = server.samples()
+        while delta(mixed, decode_only, "phasescope_engine_steps_total", kind="mixed") < 3:
+            assert time.monotonic() < deadline, "three prompts beside the decodes ran fewer than three mixed steps"
+            time.sleep(0.05)
+            mixed = server.samples()
     finally:
         decoders.stop()
     assert not decoders.errors
