@@ -42,11 +42,11 @@ from phasescope.serve.watch import ServerFacts
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
+from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
-from phasescope.telemetry.step.attribution import Drafter
 from phasescope.telemetry.step.prometheus import StepMetrics
 from phasescope.telemetry.step.records import StepForwarder
 from phasescope.telemetry.step.verdict import HeadroomLimits
@@ -120,7 +120,7 @@ def step_aggregator(
         kv_cache_capacity_tokens=description.kv_cache_capacity_tokens,
         pipeline=pipeline,
         on_error=on_error,
-        drafter=Drafter(speculative.num_speculative_tokens, speculative.draft_cost)
+        drafter=Drafter(tokens=speculative.num_speculative_tokens, model=speculative.draft_cost)
         if (speculative := description.speculative) is not None
         else None,
     )

@@ -1,17 +1,37 @@
-"""Speculative decoding in the calculator: what drafting k tokens and verifying them in one step can reach.
+"""Speculative decoding, once: the drafter, a verify step's work and its drafts' accounting, for both the roofline
+calculator and the live step attribution, and what drafting k tokens per sequence can reach.
 
-A drafter proposes k tokens per sequence; the target model verifies them in one forward pass over
-k + 1 positions (the k drafts and the token after the last accepted one), streaming its weights once
-for all of them. While the step is memory-bound the extra positions are nearly free, so a sequence
-emits more than one token per weight read; once B × (k + 1) tokens reach the compute roof they are
-not, and plain decode wins again.
+**The rules both sides use.**
+- A drafter (`Drafter`) proposes k tokens per sequence in k sequential draft steps, one token per sequence each,
+  before the verify step. Host code (an n-gram, suffix or prompt-lookup drafter) does no device work: the
+  calculator's upper bound. A draft model's draft step is its own plain decode step on the same device, at the
+  same batch and context (`decode_work`): its weights read every step, its own KV cache.
+- The target model verifies the drafts in one forward pass over k + 1 positions per sequence (the k drafts and
+  the token after the last accepted one), streaming its weights once for all of them (`verify_work`). Whatever
+  the number of positions it is a decode step: every position goes through the weights and the LM head (every
+  position's logits are checked) and attends to its sequence's context; the weights the positions touch are
+  read once, each sequence's KV cache once (the positions of a sequence share the attention kernel's tiles, as
+  a prefill chunk's do), each position writes its new KV entries. With one position per sequence it is the
+  plain decode step, the baseline speculation is judged against: speculation pays when the sequences emit more
+  tokens per second of roofline time than that step would give them.
 
-The drafter proposes its k tokens in k sequential draft steps, one token per sequence each, before
-the verify step; a round lasts the verify step + k draft steps (`Drafter`). A free drafter (an
-n-gram or prompt-lookup drafter, the default) gives the upper bound; a draft model's step is its own
-decode step on the same device, and a draft cost c is a fixed share of the target's decode step, as
-in Leviathan et al. (2023), where the speedup of a memory-bound verify step is E ÷ (1 + k × c).
-Acceptance is taken to be independent at each position with the same rate, as there.
+**The calculator** (`speculation`, the rows of `phasescope roofline --speculative-tokens`). While the verify
+step is memory-bound the extra positions are nearly free, so a sequence emits more than one token per weight
+read; once B × (k + 1) tokens reach the compute roof they are not, and plain decode wins again. Each draft is
+accepted independently with the same rate a, and a sequence emits E = (1 − a^(k+1)) ÷ (1 − a) tokens per verify
+step (`expected_tokens_per_step`); a round lasts the verify step + k draft steps. Besides a free drafter and a
+draft model, a draft cost c is a draft step as a fixed share of the target's decode step, as in Leviathan et al.
+(2023), where the speedup of a memory-bound verify step is E ÷ (1 + k × c). Position i = 0..k of a sequence
+attends to its context and the i drafts before it (`verify_attention_pairs`), and the steps count the bytes
+they read, as `roofline.decode_step` does.
+
+**The step attribution** (`phasescope.telemetry.step.attribution`) counts what a verify step the engine ran
+did. A step emits its positions less its rejected drafts (`emitted_tokens`); the emitted positions' share of
+the verify FLOPs is useful, the rejected drafts' wasted (`useful_flops`). A draft model's k draft steps over
+the sequences whose drafts the step verified are decode's work too, their bytes moved (read and written)
+counted (`draft_work`); host code is none. The drafter's part of the step's measured time is its share of the
+roofline time (`drafter_seconds`). The record carries the KV cache its decoding sequences hold, not each
+position's context: every position attends to its sequence's whole context.
 """
 
 from __future__ import annotations
@@ -26,6 +46,118 @@ MAX_SPECULATIVE_TOKENS = 16
 """The largest k searched for the best number of drafted tokens."""
 BEST_TOKENS_BATCH_SIZE = 1
 """The batch at which the best k is chosen: a single sequence, where speculation pays most."""
+
+
+@dataclass(frozen=True, slots=True)
+class Drafter:
+    """What proposes the drafts a verify step checks, and what one of its draft steps costs.
+
+    Host code by default (an n-gram, suffix or prompt-lookup drafter: no device work, the calculator's upper
+    bound). `model`: a draft model, run on the same device at the same batch and context (its own weights read
+    every draft step, its own KV cache). `cost_ratio`: a draft step as a fixed share c of the target's plain
+    decode step at the same batch (Leviathan et al. 2023): the calculator's alone, a time with no FLOPs or bytes
+    to attribute. A model or a ratio, not both.
+    """
+
+    tokens: int = 0
+    """k: the drafts it proposes per sequence per verify step, as the engine is set (the step attribution's k);
+    0 where k is not fixed: the calculator takes k as an argument and searches it for the best."""
+    model: ModelCost | None = None
+    """A draft model's cost (per device, split like the model it drafts for); None for host code or a ratio."""
+    cost_ratio: float = 0.0
+    name: str | None = None
+    """The draft model's folder or hub id, as given (for the calculator's report)."""
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.cost_ratio) and self.cost_ratio >= 0):
+            raise ValueError(f"the draft cost ratio must be a finite number ≥ 0, got {self.cost_ratio}")
+        if self.model is not None and self.cost_ratio > 0:
+            raise ValueError("a drafter is a draft model or a draft cost ratio, not both")
+
+    @property
+    def free(self) -> bool:
+        """No device work and no cost ratio: host code."""
+        return self.model is None and self.cost_ratio == 0
+
+
+FREE_DRAFTER = Drafter()
+"""No draft cost: the upper bound."""
+
+
+# The work of a verify step and of a draft step: the rules both sides use.
+
+
+@dataclass(frozen=True, slots=True)
+class DecodeWork:
+    """One forward pass of decode positions, on each device (`verify_work`)."""
+
+    flops: float
+    read_bytes: float
+    written_bytes: float
+
+    @property
+    def moved_bytes(self) -> float:
+        return self.read_bytes + self.written_bytes
+
+
+def verify_work(cost: ModelCost, positions: float, context_tokens: float, attention_pairs: float) -> DecodeWork:
+    """One pass of `positions` decode positions whose sequences hold `context_tokens` tokens of KV cache in all,
+    with `attention_pairs` (query position, context token) pairs of attention (module docstring).
+
+    A verify step has k + 1 positions per sequence; a plain decode step or a draft step one (`decode_work`).
+    """
+    kv_bytes = cost.device_kv_cache_bytes_per_token
+    return DecodeWork(
+        flops=cost.decode_flops(positions, attention_pairs),
+        read_bytes=cost.weights_read(positions) + context_tokens * kv_bytes,
+        written_bytes=positions * kv_bytes,
+    )
+
+
+def decode_work(cost: ModelCost, sequences: float, context_tokens: float) -> DecodeWork:
+    """One token for each of `sequences` sequences holding `context_tokens` in all: the plain decode step a
+    verify step is judged against, or, with a draft model's own `cost`, one of its draft steps."""
+    return verify_work(cost, sequences, context_tokens, context_tokens)
+
+
+def verify_attention_pairs(sequences: int, context_length: int, speculative_tokens: int) -> float:
+    """The calculator's attention pairs of a verify step: `sequences` sequences at `context_length`, position
+    i = 0..k of each attending to its context and the i drafts before it."""
+    positions = speculative_tokens + 1
+    # Σᵢ (c + i) = (k + 1) × c + k × (k + 1) ÷ 2 pairs per sequence.
+    return sequences * (positions * context_length + speculative_tokens * positions / 2)
+
+
+# What a verify step the engine ran did: the step attribution's figures.
+
+
+def emitted_tokens(positions: int, rejected_tokens: int) -> int:
+    """Tokens a verify step emits: its positions less its rejected drafts (the engine's generation tokens)."""
+    return max(0, positions - rejected_tokens)
+
+
+def useful_flops(verify_flops: float, positions: int, emitted: int) -> float:
+    """The emitted positions' share of a verify step's FLOPs; the rest, the rejected drafts', is wasted."""
+    return verify_flops * emitted / positions if positions else 0.0
+
+
+def draft_work(drafter: Drafter, sequences: int, context_tokens: float) -> tuple[float, float]:
+    """(FLOPs, bytes moved) on each device of the drafter's k draft steps for `sequences` sequences holding
+    `context_tokens` in all: k draft-model decode steps, each reading its weights and its KV at their context and
+    writing its new KV; nothing for host code."""
+    if drafter.model is None or not sequences:
+        return 0.0, 0.0
+    step = decode_work(drafter.model, sequences, context_tokens)
+    return drafter.tokens * step.flops, drafter.tokens * step.moved_bytes
+
+
+def drafter_seconds(measured_seconds: float, verify_roofline_seconds: float, drafter_roofline_seconds: float) -> float:
+    """The drafter's part of a verify step's `measured_seconds` of decode: its share of the roofline time."""
+    roofline_seconds = verify_roofline_seconds + drafter_roofline_seconds
+    return measured_seconds * drafter_roofline_seconds / roofline_seconds if roofline_seconds else 0.0
+
+
+# The calculator: what k drafted tokens at an acceptance rate can reach.
 
 
 def expected_tokens_per_step(acceptance_rate: float, speculative_tokens: int) -> float:
@@ -70,19 +202,14 @@ def verify_step(
 
     With no drafts (k = 0) it is the plain decode step, figure for figure (`roofline.decode_step`).
     """
-    positions = speculative_tokens + 1
-    tokens = batch_size * positions
+    tokens = batch_size * (speculative_tokens + 1)
     bandwidth = peaks.memory_bandwidth_bytes_per_second
     peak_flops = peaks.peak_flops(dtype)
-    # Bytes: the weights B × (k + 1) tokens touch, read once for all of them, + each sequence's KV
-    # cache, read once per step: the k + 1 query positions of a sequence share the attention
-    # kernel's tiles, as a prefill chunk's do.
-    bytes_per_step = cost.weights_read(tokens) + batch_size * context_length * cost.device_kv_cache_bytes_per_token
-    # FLOPs: B × (k + 1) tokens through the weights and the LM head (every position's logits are
-    # checked), and position i = 0..k attends to its context + the i drafts before it:
-    # Σᵢ (c + i) = (k + 1) × c + k × (k + 1) ÷ 2 pairs per sequence.
-    pairs = batch_size * (positions * context_length + speculative_tokens * positions / 2)
-    flops_per_step = cost.decode_flops(tokens, pairs)
+    pairs = verify_attention_pairs(batch_size, context_length, speculative_tokens)
+    work = verify_work(cost, tokens, batch_size * context_length, pairs)
+    # The bytes it reads, as `roofline.decode_step` counts them: its new KV entries are left out.
+    bytes_per_step = work.read_bytes
+    flops_per_step = work.flops
     memory_seconds = bytes_per_step / bandwidth
     compute_seconds = flops_per_step / peak_flops
     step_seconds = max(memory_seconds, compute_seconds)
@@ -96,36 +223,6 @@ def verify_step(
         arithmetic_intensity_flops_per_byte=flops_per_step / bytes_per_step,
         bound="memory" if memory_seconds >= compute_seconds else "compute",
     )
-
-
-@dataclass(frozen=True, slots=True)
-class Drafter:
-    """What one draft step costs: every sequence of the batch drafting one token.
-
-    Free by default (an n-gram or prompt-lookup drafter: the upper bound). `model`: a draft model,
-    run on the same device at the same batch and context (its own weights read every step, its own
-    KV cache). `cost_ratio`: the draft step as a fixed share c of the target's plain decode step at
-    the same batch (Leviathan et al. 2023). One or the other, not both.
-    """
-
-    model: ModelCost | None = None
-    cost_ratio: float = 0.0
-    name: str | None = None
-    """The draft model's folder or hub id, as given (for the report)."""
-
-    def __post_init__(self) -> None:
-        if not (math.isfinite(self.cost_ratio) and self.cost_ratio >= 0):
-            raise ValueError(f"the draft cost ratio must be a finite number ≥ 0, got {self.cost_ratio}")
-        if self.model is not None and self.cost_ratio > 0:
-            raise ValueError("a drafter is a draft model or a draft cost ratio, not both")
-
-    @property
-    def free(self) -> bool:
-        return self.model is None and self.cost_ratio == 0
-
-
-FREE_DRAFTER = Drafter()
-"""No draft cost: the upper bound."""
 
 
 def draft_step_seconds(

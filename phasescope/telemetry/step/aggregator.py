@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.pipeline import TelemetryPipeline
-from phasescope.telemetry.step.attribution import Drafter, StepAttributor, StepCost
+from phasescope.telemetry.step.attribution import StepAttributor, StepCost
 from phasescope.telemetry.step.interference import Interference, InterferenceLedger
 from phasescope.telemetry.step.records import (
     PHASES,

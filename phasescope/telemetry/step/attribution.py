@@ -23,20 +23,15 @@ cost, so that neither phase's operating point is contaminated by the other's:
 - Time is split in proportion to each phase's roofline time for the work it
   was charged (max of bytes ÷ peak bandwidth and FLOPs ÷ peak FLOP/s).
 
-**Speculative decoding (written once, here and in docs/metrics.md).** A verify step checks k + 1
-positions per sequence (its drafts and one of its own) in one pass: it is a decode step whatever
-the number of positions. Its figures come from the cost model, never from the engine's estimate
-(vLLM's counts a sequence with several new positions as prefill and its LM head once):
-- positions computed (`tokens`) and tokens emitted (`emitted_tokens`: the positions less the
-  rejected drafts, equal to the engine's generation tokens) are counted apart;
-- FLOPs: every position through the weights and the LM head, each attending to its sequence's
-  context; the emitted positions' share is useful, the rejected drafts' wasted;
-- bytes: the weights once for all positions, the sequences' KV cache once, each position's new KV;
-- the drafter's own work is decode's too: a draft model runs k passes over the sequences whose
-  drafts the step verified (its weights read and its KV at their context each pass); an n-gram
-  drafter is host code, no device work. Its share of the step's time is its roofline share;
-- beside each verify step, the roofline time of the plain decode step of the same batch and
-  context, so a window can say whether speculation pays (`window.SpeculationFigures`).
+**Speculative decoding.** A verify step checks k + 1 positions per sequence (its drafts and one of
+its own) in one pass: it is a decode step whatever the number of positions, and its drafter's work is
+decode's too. Its figures come from the cost model, never from the engine's estimate (vLLM's counts a
+sequence with several new positions as prefill and its LM head once). Positions computed (`tokens`) and
+tokens emitted (`emitted_tokens`) are counted apart. How a verify step's work, its emitted tokens, its
+useful and wasted FLOPs and the drafter's work and time are counted is the speculation module's
+(`phasescope.telemetry.model.speculation`, whose rules the roofline calculator follows too). Beside each
+verify step goes the roofline time of a plain decode step of the same sequences at the same context, so
+a window can say whether speculation pays (`window.SpeculationFigures`).
 """
 
 from __future__ import annotations
@@ -44,6 +39,15 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.model.speculation import (
+    Drafter,
+    decode_work,
+    draft_work,
+    drafter_seconds,
+    emitted_tokens,
+    useful_flops,
+    verify_work,
+)
 from phasescope.telemetry.step.records import StepRecord
 
 
@@ -70,18 +74,8 @@ EMPTY_SHARE = PhaseShare(0, 0, 0.0, 0.0, 0.0, 0.0, 0)
 
 
 @dataclass(frozen=True, slots=True)
-class Drafter:
-    """What proposes the drafts a verify step checks."""
-
-    tokens: int
-    """k: the tokens it proposes per sequence per step."""
-    cost: ModelCost | None = None
-    """A draft model's cost (per device); None for a drafter that is host code (n-gram, suffix)."""
-
-
-@dataclass(frozen=True, slots=True)
 class SpeculativeCost:
-    """A verify step's decode work under speculative decoding (module docstring)."""
+    """A verify step's decode work under speculative decoding (`phasescope.telemetry.model.speculation`)."""
 
     requests: int
     positions: int
@@ -135,7 +129,10 @@ class StepAttributor:
         peak_flops: float,
         drafter: Drafter | None = None,
     ) -> None:
-        """`drafter`: what proposes the drafts under speculative decoding (None: it is off)."""
+        """`drafter`: what proposes the drafts under speculative decoding (None: it is off); host code or a draft
+        model, whose work is counted (a draft cost ratio has none: ValueError)."""
+        if drafter is not None and drafter.cost_ratio:
+            raise ValueError("the step attribution counts a draft model's work: a draft cost ratio is the calculator's")
         self.cost = cost
         self.drafter = drafter
         self._bandwidth = peak_bandwidth_bytes_per_second
@@ -150,10 +147,10 @@ class StepAttributor:
     def _roofline_seconds(self, flops: float, moved_bytes: float) -> float:
         return max(moved_bytes / self._bandwidth, flops / self._flops)
 
-    def _decode_flops(self, step: StepRecord) -> float:
-        """Decode's FLOPs by the cost model: each position (drafts included) attends to its sequence's context."""
+    def _decode_attention_pairs(self, step: StepRecord) -> float:
+        """Each decode position (drafts included) attends to its sequence's context."""
         positions_per_sequence = step.decode_tokens / step.decode_requests if step.decode_requests else 1.0
-        return self.cost.decode_flops(step.decode_tokens, decode_context_tokens(step) * positions_per_sequence)
+        return decode_context_tokens(step) * positions_per_sequence
 
     def model_step_cost(self, step: StepRecord) -> tuple[float, float, float]:
         """(FLOPs, bytes read, bytes written) on each device of a step's target-model work, by the project's own
@@ -161,7 +158,8 @@ class StepAttributor:
         tokens = step.prefill_tokens + step.decode_tokens
         # FLOPs: the prefill chunks (LM head once per request, attention within the chunk) and the
         # decode positions (LM head each, attention over their sequences' context).
-        flops = self.cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + self._decode_flops(step)
+        decode_flops = self.cost.decode_flops(step.decode_tokens, self._decode_attention_pairs(step))
+        flops = self.cost.prefill_flops(step.prefill_tokens, step.prefill_requests) + decode_flops
         # Bytes read ≈ the weights the step's tokens touch (once per step) + the KV cache of the running sequences.
         read_bytes = self._weights_read(tokens) + step.kv_cache_tokens * self._kv_bytes
         # Bytes written ≈ each computed token's new KV entries.
@@ -169,25 +167,19 @@ class StepAttributor:
         return flops, read_bytes, written_bytes
 
     def _drafter_work(self, step: StepRecord) -> tuple[float, float]:
-        """(FLOPs, bytes moved) of the drafter in a verify step: k passes of a draft model over the sequences
-        whose drafts the step verified, at their context; nothing for a host-code drafter."""
+        """(FLOPs, bytes moved) of the drafter in a verify step (`speculation.draft_work`) over the sequences whose
+        drafts the step verified, at their share of the decoding sequences' context."""
         drafter, speculative = self.drafter, step.speculative
-        if drafter is None or drafter.cost is None or speculative is None or not speculative.drafts:
+        if drafter is None or speculative is None:
             return 0.0, 0.0
         sequences = speculative.drafts
         context = decode_context_tokens(step) * sequences / max(1, step.decode_requests)
-        cost = drafter.cost
-        kv_bytes = cost.device_kv_cache_bytes_per_token
-        flops = drafter.tokens * cost.decode_flops(sequences, context)
-        moved = drafter.tokens * (cost.weights_read(sequences) + context * kv_bytes + sequences * kv_bytes)
-        return flops, moved
+        return draft_work(drafter, sequences, context)
 
     def _plain_decode_seconds(self, step: StepRecord) -> float:
         """The roofline's time for a decode step of the same sequences without drafts."""
-        requests, context = step.decode_requests, decode_context_tokens(step)
-        flops = self.cost.decode_flops(requests, context)
-        moved = self._weights_read(requests) + context * self._kv_bytes + requests * self._kv_bytes
-        return self._roofline_seconds(flops, moved)
+        plain = decode_work(self.cost, step.decode_requests, decode_context_tokens(step))
+        return self._roofline_seconds(plain.flops, plain.moved_bytes)
 
     def __call__(self, step: StepRecord) -> StepCost:
         """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
@@ -200,10 +192,12 @@ class StepAttributor:
             written_bytes = step.written_bytes if step.written_bytes is not None else model_written
         else:  # the engine's estimate takes a verify step for prefill: the cost model's, and the drafter's work
             flops, read_bytes, written_bytes = model_flops + drafter_flops, model_read + drafter_bytes, model_written
-        emitted = step.decode_tokens - speculative.rejected_tokens if speculative is not None else step.decode_tokens
-        emitted = max(0, emitted)
+        emitted = (
+            emitted_tokens(step.decode_tokens, speculative.rejected_tokens)
+            if speculative is not None
+            else step.decode_tokens
+        )
         kind = step.kind
-        kv_bytes = self._kv_bytes
         if kind == "prefill":
             prefill = PhaseShare(
                 step.prefill_tokens,
@@ -220,9 +214,10 @@ class StepAttributor:
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total), and its drafter's work; the chunk
         # pays the rest, everything it adds (its KV, its activations).
-        verify_flops = self._decode_flops(step)
-        verify_read = self._weights_read(step.decode_tokens) + decode_context_tokens(step) * kv_bytes
-        verify_written = step.decode_tokens * kv_bytes
+        verify = verify_work(
+            self.cost, step.decode_tokens, decode_context_tokens(step), self._decode_attention_pairs(step)
+        )
+        verify_flops, verify_read, verify_written = verify.flops, verify.read_bytes, verify.written_bytes
         if kind == "decode":
             decode_flops, decode_read, decode_written = flops, read_bytes, written_bytes
             decode_seconds = step.elapsed_seconds
@@ -263,8 +258,8 @@ class StepAttributor:
         if speculative is None:
             return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
         verify_seconds = self._roofline_seconds(verify_flops, verify_read + verify_written)
-        drafter_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
-        useful = verify_flops * emitted / step.decode_tokens if step.decode_tokens else 0.0
+        drafter_roofline_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
+        useful = useful_flops(verify_flops, step.decode_tokens, emitted)
         speculation = SpeculativeCost(
             requests=step.decode_requests,
             positions=step.decode_tokens,
@@ -273,12 +268,10 @@ class StepAttributor:
             wasted_flops=verify_flops - useful,
             drafter_flops=drafter_flops,
             drafter_bytes=drafter_bytes,
-            drafter_seconds=decode_seconds * drafter_seconds / (verify_seconds + drafter_seconds)
-            if verify_seconds + drafter_seconds
-            else 0.0,
+            drafter_seconds=drafter_seconds(decode_seconds, verify_seconds, drafter_roofline_seconds),
             verify_memory_seconds=(verify_read + verify_written) / self._bandwidth,
             verify_compute_seconds=verify_flops / self._flops,
-            speculative_seconds=verify_seconds + drafter_seconds,
+            speculative_seconds=verify_seconds + drafter_roofline_seconds,
             plain_seconds=self._plain_decode_seconds(step),
         )
         return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, speculation)

@@ -18,8 +18,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from phasescope.engine.base import KvEventPublisher, ModelDescription
 from phasescope.serve.engine_protocol.loads import engine_load, scheduler_loads
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator
-from phasescope.telemetry.step.attribution import Drafter
 from phasescope.telemetry.step.records import SchedulerState, SpeculativeStep, StepRecord, StepReport
 from support.fake_engine import ScriptedEngine
 from support.served import served

@@ -6,8 +6,9 @@ from prometheus_client import CollectorRegistry
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.model.cost import model_cost_from_config
+from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.step.aggregator import StepAggregator
-from phasescope.telemetry.step.attribution import Drafter, attribute_step
+from phasescope.telemetry.step.attribution import attribute_step
 from phasescope.telemetry.step.prometheus import StepMetrics
 from phasescope.telemetry.step.records import SpeculativeStep, StepRecord, StepReport
 
@@ -116,6 +117,11 @@ def test_a_draft_model_costs_k_passes_of_its_own_and_an_ngram_drafter_nothing() 
     self_drafted = attribute_step(step, COST, BANDWIDTH, FLOPS, Drafter(K, COST))
     assert self_drafted.speculative is not None
     assert self_drafted.speculative.drafter_seconds / 0.05 == pytest.approx(K / (K + 1), rel=0.01)
+
+
+def test_a_draft_cost_ratio_is_the_calculator_s_alone_with_no_work_to_attribute() -> None:
+    with pytest.raises(ValueError, match="draft cost ratio is the calculator's"):
+        attribute_step(verify_step(1, accepted=3), COST, BANDWIDTH, FLOPS, Drafter(K, cost_ratio=0.05))
 
 
 def record(steps: list[StepRecord], clock: FakeClock, registry: CollectorRegistry) -> None:
