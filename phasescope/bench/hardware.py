@@ -33,9 +33,8 @@ logger = logging.getLogger(__name__)
 
 SAMPLE_INTERVAL_SECONDS = 2.0
 """How often a run reads /metrics by default (`bench --scrape-interval`): the gauges move with the server's
-10 s window, and a read costs the server CPU (≈ 9 ms for phasescope's on the 2-core development machine,
-16-26 ms before its lines were kept between scrapes), which is why every target with a /metrics is read
-on the same cadence."""
+10 s window, and a read costs the server CPU (docs/benchmarks.md, "What the telemetry costs"), which is why
+every target with a /metrics is read on the same cadence."""
 PHASES = ("prefill", "decode")
 
 

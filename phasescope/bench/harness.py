@@ -122,7 +122,7 @@ class ManagedProcess:
             # kernel's autogroup scheduling (on by default on desktops and VMs) a new session is a new
             # scheduling group, which gets as much CPU as the whole caller, whatever the caller runs.
             # A server and its spinning engine in their own group against the benchmark's client stalled
-            # whole streams for seconds at 16 streams (docs/benchmarks.md).
+            # whole streams (docs/benchmarks.md, "How to compare: one command, alternating rounds, intervals").
             process_group=0,
         )
 

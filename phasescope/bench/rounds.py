@@ -6,7 +6,8 @@ the order reversed every other round (`loop.Bench.point`). Whatever the machine 
 so a round's ratio is steadier than a ratio of the targets' medians. A figure here is the median of
 the rounds' ratios, how many rounds the target's figure was the higher in, and a 95 % bootstrap
 interval of that median (rounds resampled with replacement, seeded): how far the rounds kept pin it
-down. On the 2-core development machine 12 rounds pin a median to about ±4 % (docs/benchmarks.md).
+down. How closely that resolves a difference on the development machine: docs/benchmarks.md, "How to compare:
+one command, alternating rounds, intervals".
 """
 
 from __future__ import annotations

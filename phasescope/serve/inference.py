@@ -149,7 +149,8 @@ class InferenceServicer:
         self._watchers = 0
 
     def attach_telemetry(self, facts: ServerFacts, source: TelemetrySource) -> None:
-        """What WatchTelemetry snapshots are made of (phasescope.serve.app, once the engine's figures exist)."""
+        """What WatchTelemetry snapshots are made of, once the engine's figures exist
+        (`phasescope.serve.build.Built.attach_engine`)."""
         self._telemetry = (facts, source)
 
     def start_draining(self) -> None:

@@ -1,4 +1,4 @@
-"""Transport concerns as gRPC interceptors, listed where the server is built (phasescope.serve.app)."""
+"""Transport concerns as gRPC interceptors, listed where the server is built (`phasescope.serve.build`)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ _Behaviour = TypeVar("_Behaviour", bound=Callable[..., Any])
 
 
 async def _abort_with_status(context: _Context, exc: Exception) -> None:
-    """Turn an exception into the RPC's status via the one table in phasescope.serve.errors."""
+    """Turn an exception into the RPC's status via the one table in phasescope.serve.status."""
     code = status_for(exc)
     if code is grpc.StatusCode.INTERNAL:
         logger.error("internal error while serving a request", exc_info=exc)
@@ -36,8 +36,8 @@ class StatusOnError:
     """What the interceptor does for a handler, done inside it: an exception raised in the block ends the RPC
     with its mapped status. A streaming handler that opens this around its whole body and is marked
     `maps_own_errors` is not wrapped, so its messages cross no second generator on their way to gRPC.
-    A class, not a generator-based context manager: it is entered on the path every request takes, for a
-    third of the cost."""
+    A class, not a generator-based context manager: it is entered on the path every request takes, and its
+    enter and exit run no generator."""
 
     __slots__ = ("_context",)
 

@@ -48,7 +48,7 @@ def engine_threads(settings: Settings | None = None) -> int:
 def resolve_peaks(
     settings: Settings, device_name: str, on_cpu: bool, dtype: str, environ: Mapping[str, str] | None = None
 ) -> HardwarePeaks:
-    # `environ`: CUDA's device variables (phasescope.serve.config.env_cuda_devices), read once by the caller.
+    # `environ`: CUDA's device variables (phasescope.environment.env_cuda_devices), read once by the caller.
     """Flags beat `--hardware`, which beats the detected GPU's datasheet row, which beats the probe.
 
     The probe measures instead of a datasheet row in two cases, so that no engine is judged

@@ -71,7 +71,8 @@ class InFlight(Protocol):
 
 
 class TelemetrySource(Protocol):
-    """The engine-side figures: phasescope.serve.app wires StepMetrics and RecentLatencies behind it."""
+    """The engine-side figures: `phasescope.serve.build.LiveTelemetry` wires the step aggregator's views and
+    RecentLatencies behind it."""
 
     def views(self) -> tuple[float, list[EngineView]]: ...
 

@@ -2,9 +2,9 @@
 
 prometheus-client writes every sample line from scratch at every scrape: it sorts the labels, checks
 and escapes every name and value, then writes the value. Names and labels do not change between
-scrapes; values do. Under load a scrape of this server's thousand lines costs the serving process
-≈ 16 ms of CPU in text and ≈ 24 ms in OpenMetrics (the format Prometheus asks for), taken from the
-event loop in the interpreter's 5 ms slices (docs/benchmarks.md).
+scrapes; values do. A scrape runs in the serving process: writing every line afresh, in text or in
+OpenMetrics (the format Prometheus asks for), takes its CPU from the event loop that streams the tokens
+(docs/benchmarks.md, "What the telemetry costs").
 
 `CachedExposition` keeps, per encoder, each series' line up to its value, written by that very
 encoder (prometheus-client's `generate_latest`, text or OpenMetrics, with the escaping the scrape

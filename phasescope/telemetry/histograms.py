@@ -28,7 +28,7 @@ def _layout(histogram: Histogram) -> np.ndarray | None:
 def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
     """`histogram.observe(amount)` for each of `amounts` in order, with the same result to the bit (each
     bucket's count, and the sum added up in the same order), in one pass and under no lock per amount
-    (docs/benchmarks.md says what it measured as).
+    (docs/benchmarks.md, "What the telemetry costs").
 
     `histogram` is a labelled child (or a histogram without labels), observed only by the caller while this
     runs. prometheus-client has no observe-many: this reads its bucket layout (`_upper_bounds`, `_buckets`,

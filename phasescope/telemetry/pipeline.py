@@ -4,8 +4,8 @@ Three kinds of report are made on the path every token takes: each request's fir
 (for the Prometheus series and the live view), each engine step's report (the step aggregator), and vLLM's own
 stats updates (its `vllm:` series). Handed on as they come, their bookkeeping runs between an engine step's
 outputs and the chunks those outputs become, and a wave of new requests waits for its first tokens behind it
-(docs/benchmarks.md: holding them took the 64-stream TTFT from 1.12–1.20 × vLLM's worker to parity). So each
-report is held here, as the call that delivers it, in the order it came, and handed on:
+(docs/benchmarks.md, "Settings that change the cost per token"). So each report is held here, as the call
+that delivers it, in the order it came, and handed on:
 
 - once `batch` reports are held, after the event loop has run what was ready (the chunks just made), and only
   while no request waits for its first token (`FirstTokenWaits`), waiting at most `longest_wait_seconds` for

@@ -42,9 +42,9 @@ def vllm_prometheus_logger(pipeline: TelemetryPipeline) -> type[PrometheusStatLo
             if iteration_stats is None or not iteration_stats.inter_token_latencies_iter:
                 super().record(scheduler_stats, iteration_stats, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)
                 return
-            # vLLM observes each inter-token gap on its own (one per running request, most of its cost per
-            # step); here the step's are observed together, to the same counts and sum. A copy without them:
-            # vLLM's object is read by the step telemetry too.
+            # vLLM observes each inter-token gap on its own (one per running request, every step); here the
+            # step's are observed together, in one pass, to the same counts and sum (docs/benchmarks.md, "What
+            # the telemetry costs"). A copy without them: vLLM's object is read by the step telemetry too.
             without = copy.copy(iteration_stats)
             without.inter_token_latencies_iter = []
             super().record(scheduler_stats, without, mm_cache_stats=mm_cache_stats, engine_idx=engine_idx)

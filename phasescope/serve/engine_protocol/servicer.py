@@ -1,9 +1,10 @@
 """vllm.grpc.engine.VllmEngine over the shared request lifecycle: what the smg gateway drives.
 
-The Generate handler parses its message (`requests`), walks `phasescope.serve.lifecycle` like
-phasescope.v1's, and writes this protocol's messages as vLLM's own servicer does: a stream sends
-a chunk per engine step (the step's new token ids) and then a `GenerateComplete` carrying the
-last step's ids and the finish reason; a unary call sends one `GenerateComplete` with every id.
+The Generate handler parses its message (`requests`), walks the shared request path
+(`phasescope.serve.path.RequestPath`) like phasescope.v1's, and writes this protocol's messages as
+vLLM's own servicer does: a stream sends a chunk per engine step (the step's new token ids) and then
+a `GenerateComplete` carrying the last step's ids and the finish reason; a unary call sends one
+`GenerateComplete` with every id.
 Its phase timings ride in the trailing metadata (`phasescope-timings-bin`, a serialised
 `phasescope.v1.Timings`), which routers that do not know it ignore.
 
@@ -66,7 +67,7 @@ class VllmEngineServicer:
         self._tokenizer: TokenizerBundle | None = None
 
     def attach_telemetry(self, source: TelemetrySource) -> None:
-        """Where GetLoads reads the engine's figures (phasescope.serve.app, once they exist)."""
+        """Where GetLoads reads the engine's figures, once they exist (`phasescope.serve.build.Built.attach_engine`)."""
         self._telemetry = source
 
     @maps_own_errors
@@ -216,7 +217,7 @@ class VllmEngineServicer:
     def _load_record(self, dp_rank: int | None) -> common_pb2.EngineLoad | None:
         """The load record a KV-event batch of `dp_rank` carries: GetLoads' figures for that rank (None: rank 0),
         with the window's speculative decoding; None before the telemetry is attached. Under load a batch goes out
-        every engine step, and reading the window costs milliseconds and hands the held telemetry on: the views
+        every engine step, and reading the window computes its figures and hands the held telemetry on: the views
         are read at most once per relay tick, and the record's `age_ms` says how old they are."""
         telemetry = self._telemetry
         if telemetry is None:

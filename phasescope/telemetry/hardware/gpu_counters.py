@@ -350,7 +350,7 @@ def start_gpu_counters(
     """Start sampling the engine's GPUs that support GPM; None (and no series) when none does.
 
     `environ` holds the engine's CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER (the server passes
-    phasescope.serve.config.env_cuda_devices(); none: every GPU, in PCI order).
+    phasescope.environment.env_cuda_devices(); none: every GPU, in PCI order).
     """
     nvml = nvml if nvml is not None else load_nvml()
     if nvml is None:

@@ -1,6 +1,6 @@
 """From figures to answers: what bounds each phase, how much headroom an engine has, what a token costs.
 
-Pure functions over one window's figures (`phasescope.telemetry.step.records.StepWindow`); Prometheus export
+Pure functions over one window's figures (`phasescope.telemetry.step.window.StepWindow`); Prometheus export
 is in phasescope.telemetry.step.prometheus. The rules are written once, here, with their thresholds as
 named constants; docs/metrics.md has a worked example of each verdict.
 
