@@ -1,5 +1,10 @@
 """One request's transitions, from its handler's entry to its end (the request path walks it: `path.py`).
 
+The lifecycle knows nothing of the path: what it reads of what every request shares is a `LifecycleDeps` the path
+builds once and hands to each request (the observer, the model's name, the first-token waits, the engine's
+interference totals, the current trace's id, whether text is captured, admission and the set of requests in flight,
+and the two things it tells the path: a refusal, and a dead engine).
+
 Each transition is a method; the first-token and phase records are emitted by this object alone, each once:
 a sample's first token when its chunk is written (or, if it never is, when the request ends), the phase
 record when the request ends. A refusal before the hand-off is counted once, under the reason the status
@@ -11,16 +16,19 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
 
 import grpc
 
 from phasescope.engine.base import EngineStep
 from phasescope.errors import EngineUnavailableError
+from phasescope.serve.admission import Admission
 from phasescope.serve.status import status_for
+from phasescope.telemetry.pipeline import FirstTokenWaits
+from phasescope.telemetry.request.observer import RequestObserver
 from phasescope.telemetry.request.phases import (
     EngineTimestamps,
     FirstTokenRecord,
@@ -34,12 +42,30 @@ from phasescope.telemetry.request.phases import (
 )
 from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
 
-if TYPE_CHECKING:
-    from phasescope.serve.path import RequestPath
-
 # The client ended the request: it went away, or its deadline passed.
 _CLIENT_ENDED = (grpc.StatusCode.CANCELLED, grpc.StatusCode.DEADLINE_EXCEEDED)
 _FINISH_PRECEDENCE = {"abort": 0, "error": 1, "length": 2, "stop": 3}
+
+
+@dataclass(frozen=True, slots=True)
+class LifecycleDeps:
+    """What a request's lifecycle uses of what every request shares (the request path builds one for all)."""
+
+    observer: RequestObserver
+    model_name: str
+    first_token_waits: FirstTokenWaits
+    interference: Callable[[int], Interference]
+    """An engine's running interference totals, read when asked: the source may be wired in after the requests
+    began (the step aggregator's, once the engine is attached)."""
+    trace_id: Callable[[], str | None]
+    capture_text: bool
+    admission: Admission
+    in_flight: set[RequestLifecycle]
+    """Admitted requests, from their permit to their end."""
+    count_refusal: Callable[[BaseException | None], None]
+    """Counts a request refused before the hand-off, under the reason the status table gives it."""
+    engine_died: Callable[[], Awaitable[None]]
+    """A request found the engine dead."""
 
 
 class SampleProgress:
@@ -82,9 +108,9 @@ class RequestLifecycle:
     (`samples`); the request's own figures (`stamps`, `cached_prompt_tokens`) are the first sample's,
     and `completion_tokens` counts every sample's."""
 
-    def __init__(self, path: RequestPath, streaming: bool, deadline_passed: Callable[[], bool]) -> None:
-        self._path = path
-        path.first_token_waits.started()
+    def __init__(self, deps: LifecycleDeps, streaming: bool, deadline_passed: Callable[[], bool]) -> None:
+        self._deps = deps
+        deps.first_token_waits.started()
         self._awaiting = True
         self.streaming = streaming
         self._deadline_passed = deadline_passed
@@ -138,27 +164,27 @@ class RequestLifecycle:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
     ) -> None:
         if isinstance(exc, EngineUnavailableError):
-            await self._path.engine_died()  # found dead before admission (once told, a no-op)
+            await self._deps.engine_died()  # found dead before admission (once told, a no-op)
         if self._handed:
             self._end(exc)
         else:
             # Refused (or failed) before the engine saw it: a rejection, not a request.
-            self._path.count_refusal(exc)
+            self._deps.count_refusal(exc)
         self._stop_waiting()
 
     @asynccontextmanager
     async def admitted(self, caller: str) -> AsyncIterator[None]:
         """Holds the request's permit, and lists it in flight, until the request ends."""
-        path = self._path
-        async with path.admission.permit(caller):
-            path.in_flight.add(self)
+        deps = self._deps
+        async with deps.admission.permit(caller):
+            deps.in_flight.add(self)
             try:
                 yield
             except EngineUnavailableError:
-                await path.engine_died()  # while this request is still listed among those the engine ran
+                await deps.engine_died()  # while this request is still listed among those the engine ran
                 raise
             finally:
-                path.in_flight.discard(self)
+                deps.in_flight.discard(self)
 
     def handed_to_engine(
         self,
@@ -181,7 +207,7 @@ class RequestLifecycle:
         self._prompt_text = prompt_text
         self.samples.extend(SampleProgress(index) for index in range(1, parameters.samples))
         self._handed = True
-        self._path.observer.request_started(self._path.model_name)
+        self._deps.observer.request_started(self._deps.model_name)
 
     def took(self, step: EngineStep) -> None:
         """One engine step's output for this request (for one of its samples)."""
@@ -199,10 +225,10 @@ class RequestLifecycle:
         if step.token_ids or (step.stamps is not None and step.stamps.first_token_ts > 0.0):
             # From the sample's first token on (an engine that sends its stamps only at the end, smg's Rust server,
             # has its first token read here all the same).
-            sample.read_interference(self._path.interference(step.engine_index))
+            sample.read_interference(self._deps.interference(step.engine_index))
         if sample.completion_tokens > before:
-            self._path.observer.tokens_generated(self._path.model_name, sample.completion_tokens - before)
-        if self._path.capture_text and not step.index:
+            self._deps.observer.tokens_generated(self._deps.model_name, sample.completion_tokens - before)
+        if self._deps.capture_text and not step.index:
             self._outputs.append(step.text)
 
     def final_timings(self, sample: int = 0) -> PhaseTimings:
@@ -230,21 +256,21 @@ class RequestLifecycle:
         """This request no longer waits for its first chunk (counted once, however it stopped)."""
         if self._awaiting:
             self._awaiting = False
-            self._path.first_token_waits.settled()
+            self._deps.first_token_waits.settled()
 
     def _report_first_token(self, sample: SampleProgress) -> None:
         if sample.first_token_reported or sample.stamps is None or sample.stamps.first_token_ts <= 0.0:
             return
         sample.first_token_reported = True
-        path = self._path
-        path.observer.request_first_token(
+        deps = self._deps
+        deps.observer.request_first_token(
             FirstTokenRecord(
-                model=path.model_name,
+                model=deps.model_name,
                 timings=derive_phase_timings(self.front, sample.stamps, sample.completion_tokens, sample.interference),
                 prefill_tokens_computed=max(0, self.prompt_tokens - sample.cached_prompt_tokens),
                 cached_prompt_tokens=min(sample.cached_prompt_tokens, self.prompt_tokens),
                 streaming=self.streaming,
-                trace_id=path.trace_id(),
+                trace_id=deps.trace_id(),
                 sample=sample.index,
                 request_first=self._first_tokens_reported == 0,
                 constraint=self._parameters.constraint,
@@ -261,14 +287,14 @@ class RequestLifecycle:
         code = grpc.StatusCode.OK if error is None else status_for(error)
         if code is grpc.StatusCode.CANCELLED and self._deadline_passed():
             code = grpc.StatusCode.DEADLINE_EXCEEDED
-        self._path.observer.request_finished(self._finished_record(code, error))
+        self._deps.observer.request_finished(self._finished_record(code, error))
 
     def _finished_record(self, code: grpc.StatusCode, error: BaseException | None) -> PhaseRecord:
         unfinished = "abort" if code in _CLIENT_ENDED else "error"
-        path = self._path
+        deps = self._deps
         first = self._first
         return PhaseRecord(
-            model=path.model_name,
+            model=deps.model_name,
             code=code.name,
             finish_reason=self.finish_reason or unfinished,
             prompt_tokens=self.prompt_tokens,
@@ -280,8 +306,8 @@ class RequestLifecycle:
             streaming=self.streaming,
             parameters=self._parameters,
             error=error,
-            trace_id=path.trace_id(),
-            text=RequestText(self._prompt_text, "".join(self._outputs)) if path.capture_text else None,
+            trace_id=deps.trace_id(),
+            text=RequestText(self._prompt_text, "".join(self._outputs)) if deps.capture_text else None,
             samples=tuple(
                 SampleRecord(
                     index=sample.index,

@@ -12,7 +12,8 @@ be ready, the request is decoded (cheap checks first, so a request refused under
 tokenising; KV-transfer parameters need the engine's KV connector), admitted, tokenised off the event loop,
 truncated and checked against the context, its sampling validated (`validation.build_sampling`), handed to
 the engine under an id of the engine's own, and each engine step becomes one `Output`. The lifecycle
-(`lifecycle.py`) emits the request's records.
+(`lifecycle.py`) emits the request's records; it sees the path only through the `LifecycleDeps` the path builds for
+every request.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from phasescope.engine.base import Engine, EngineStep, ModelDescription
 from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
 from phasescope.errors import EngineUnavailableError, NotConfiguredError, NotReadyError, PhasescopeError
 from phasescope.serve.admission import Admission
-from phasescope.serve.lifecycle import RequestLifecycle
+from phasescope.serve.lifecycle import LifecycleDeps, RequestLifecycle
 from phasescope.serve.status import rejection_reason
 from phasescope.serve.validation import SamplingAsk, build_sampling, check_prompt_length, truncate_prompt
 from phasescope.telemetry.pipeline import FirstTokenWaits
@@ -156,6 +157,23 @@ class RequestPath:
         self.draining = False
         self.in_flight: set[RequestLifecycle] = set()
         """Admitted requests, from their permit to their end."""
+        # What each request's lifecycle uses of the above: these objects, as held now (only `interference` is
+        # wired in later, so it is read when asked).
+        self._lifecycle_deps = LifecycleDeps(
+            observer=self.observer,
+            model_name=self.model_name,
+            first_token_waits=self.first_token_waits,
+            interference=self._read_interference,
+            trace_id=self.trace_id,
+            capture_text=self.capture_text,
+            admission=self.admission,
+            in_flight=self.in_flight,
+            count_refusal=self.count_refusal,
+            engine_died=self.engine_died,
+        )
+
+    def _read_interference(self, engine: int) -> Interference:
+        return self.interference(engine)
 
     def ready_engine(self) -> Engine:
         """The engine, or the reason no request can run now."""
@@ -201,7 +219,7 @@ class RequestPath:
             remaining = context.time_remaining()
             return remaining is not None and remaining <= _DEADLINE_SLACK_SECONDS
 
-        return RequestLifecycle(self, streaming, deadline_passed)
+        return RequestLifecycle(self._lifecycle_deps, streaming, deadline_passed)
 
     async def tokenize(self, engine: Engine, parsed: ParsedInput) -> list[int]:
         """Token ids for the input; text is tokenised on a worker thread (vLLM's tokenizer is thread-safe), so a

@@ -276,3 +276,15 @@ async def test_an_engine_that_stamps_only_at_the_end_has_its_decode_interference
     timings = request.timings()
     assert timings.decode_stalled_by_prefill_seconds == pytest.approx(2.0)
     assert timings.decode_prefill_interference_seconds == pytest.approx(0.75)
+
+
+async def test_the_interference_source_wired_into_the_path_later_is_the_one_its_requests_read() -> None:
+    # The server attaches the engine's step aggregator to a path already built (Built.attach_engine).
+    requests = path(Recorder())
+    async with requests.begin(True, Deadline()) as request, request.admitted(""):
+        hand(request)
+        totals = iter([Interference(1.0, 0.5), Interference(3.0, 1.25)])
+        requests.interference = lambda engine: next(totals)
+        request.took(step(1))
+        request.took(step(2, finished=True))
+    assert request.interference == Interference(2.0, 0.75)
