@@ -1,7 +1,8 @@
 """The request as the engine is asked for it, whichever protocol it came in by.
 
-Each protocol handler parses its own messages into these values (`phasescope.serve.validation`
-for phasescope.v1); the request lifecycle and the engine see only these.
+Each protocol handler parses its own messages into these values (`phasescope.serve.v1_requests`
+for phasescope.v1, `phasescope.serve.engine_protocol.requests` for vLLM's engine protocol); the request
+lifecycle and the engine see only these.
 """
 
 from __future__ import annotations

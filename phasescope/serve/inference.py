@@ -1,4 +1,5 @@
-"""phasescope.v1's Inference service: decode its messages, walk the shared request path, write its messages.
+"""phasescope.v1's Inference service: its requests decoded (`phasescope.serve.v1_requests`), walked along the
+shared request path, its responses written.
 
 Everything protocol-independent (admission, tokenising, the stages, the first-token and phase records,
 rejection counts) is the path's: `phasescope.serve.path`. The servicer never touches Prometheus or tracing.
@@ -19,22 +20,19 @@ from typing import Any
 import grpc
 
 from phasescope.engine.base import TokenLogprob
-from phasescope.engine.request import ModelLimits
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.interceptors import StatusOnError, maps_own_errors
-from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
+from phasescope.serve.path import Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import timings_message
-from phasescope.serve.validation import (
-    SamplingAsk,
-    UndecodableRequest,
-    decode_generate_request,
-    decode_tokenize_request,
-    decode_watch_request,
-    parse_generate_input,
-    parse_tokenize_input,
-    v1_structured,
+from phasescope.serve.v1_requests import (
+    decode_generate,
+    decode_tokenize,
+    deserialize_generate,
+    deserialize_tokenize,
+    deserialize_watch,
 )
+from phasescope.serve.validation import UndecodableRequest
 from phasescope.serve.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
 from phasescope.v1 import inference_pb2 as pb
 
@@ -48,58 +46,6 @@ _FINISH_REASONS = {
     "stop": pb.FINISH_REASON_STOP,
     "length": pb.FINISH_REASON_LENGTH,
 }
-
-
-def decode_generate(request: pb.GenerateRequest | UndecodableRequest, limits: ModelLimits) -> GenerationAsk:
-    """phasescope.v1's GenerateRequest as the request path takes it; every sampling field is proto3 `optional`,
-    unset = the model's default."""
-    if isinstance(request, UndecodableRequest):
-        raise InvalidRequestError(request.field, request.reason)
-    parsed = parse_generate_input(request, limits)
-    sampling = request.sampling
-    if request.token_ids_only and sampling.stop:
-        raise InvalidRequestError(
-            "token_ids_only",
-            "stop strings are matched against text, which token_ids_only skips: drop sampling.stop "
-            "or use sampling.stop_token_ids",
-        )
-    has = sampling.HasField
-    ask = SamplingAsk(
-        max_tokens=sampling.max_tokens if has("max_tokens") else None,
-        temperature=sampling.temperature if has("temperature") else None,
-        top_p=sampling.top_p if has("top_p") else None,
-        top_k=sampling.top_k if has("top_k") else None,
-        min_p=sampling.min_p if has("min_p") else None,
-        seed=sampling.seed if has("seed") else None,
-        stop=tuple(sampling.stop),
-        stop_token_ids=tuple(sampling.stop_token_ids),
-        presence_penalty=sampling.presence_penalty if has("presence_penalty") else None,
-        frequency_penalty=sampling.frequency_penalty if has("frequency_penalty") else None,
-        repetition_penalty=sampling.repetition_penalty if has("repetition_penalty") else None,
-        ignore_eos=sampling.ignore_eos,
-        min_tokens=sampling.min_tokens,
-        logit_bias=tuple(sampling.logit_bias.items()),
-        include_stop_str_in_output=sampling.include_stop_str_in_output,
-        skip_special_tokens=sampling.skip_special_tokens if has("skip_special_tokens") else True,
-        spaces_between_special_tokens=(
-            sampling.spaces_between_special_tokens if has("spaces_between_special_tokens") else True
-        ),
-        structured=v1_structured(sampling) if has("structured") else None,
-        logprobs=sampling.logprobs if has("logprobs") else None,
-        prompt_logprobs=sampling.prompt_logprobs if has("prompt_logprobs") else None,
-        bad_words=tuple(sampling.bad_words),
-        n=sampling.n if has("n") else None,
-    )
-    return GenerationAsk(
-        input=parsed,
-        sampling=ask,
-        input_field=parsed.kind,
-        sampling_prefix="sampling.",
-        request_id=request.request_id,
-        truncate_prompt_tokens=sampling.truncate_prompt_tokens if has("truncate_prompt_tokens") else None,
-        detokenize=not request.token_ids_only,
-        stream_interval=request.stream_interval or None,
-    )
 
 
 def _token_logprobs(logprobs: tuple[TokenLogprob, ...]) -> list[pb.TokenLogprob]:
@@ -222,9 +168,7 @@ class InferenceServicer:
     ) -> pb.TokenizeResponse:
         with self._path.refusals():
             engine = self._path.ready_engine()
-            if isinstance(request, UndecodableRequest):
-                raise InvalidRequestError(request.field, request.reason)
-            token_ids = await self._path.tokenize(engine, parse_tokenize_input(request))
+            token_ids = await self._path.tokenize(engine, decode_tokenize(request))
         return pb.TokenizeResponse(token_ids=token_ids, count=len(token_ids))
 
     async def WatchTelemetry(
@@ -326,22 +270,22 @@ def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
     handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "Generate": grpc.unary_unary_rpc_method_handler(
             servicer.Generate,
-            request_deserializer=decode_generate_request,
+            request_deserializer=deserialize_generate,
             response_serializer=pb.GenerateResponse.SerializeToString,
         ),
         "GenerateStream": grpc.unary_stream_rpc_method_handler(
             servicer.GenerateStream,
-            request_deserializer=decode_generate_request,
+            request_deserializer=deserialize_generate,
             response_serializer=pb.GenerateStreamResponse.SerializeToString,
         ),
         "Tokenize": grpc.unary_unary_rpc_method_handler(
             servicer.Tokenize,
-            request_deserializer=decode_tokenize_request,
+            request_deserializer=deserialize_tokenize,
             response_serializer=pb.TokenizeResponse.SerializeToString,
         ),
         "WatchTelemetry": grpc.unary_stream_rpc_method_handler(
             servicer.WatchTelemetry,
-            request_deserializer=decode_watch_request,
+            request_deserializer=deserialize_watch,
             response_serializer=pb.TelemetrySnapshot.SerializeToString,
         ),
         "GetModelInfo": grpc.unary_unary_rpc_method_handler(

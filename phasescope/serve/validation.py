@@ -1,7 +1,13 @@
-"""Request validation: every check a request must pass before it reaches the engine.
+"""The request rules both protocols share, and the tolerant deserializer each protocol's handlers use.
 
-Pure functions over the generated messages and the model's limits, so each
-bad-input case is tested without an engine. Every error names the field.
+Each protocol decodes its own messages into the values these rules take: `phasescope.serve.v1_requests` and
+vLLM's engine protocol's `phasescope.serve.engine_protocol.requests`. What is here reads no protocol's messages:
+the sampling a request asked for (`SamplingAsk`) validated against the prompt and the model's limits
+(`build_sampling`), the prompt's size before and after tokenising (`check_prompt_chars`, `truncate_prompt`,
+`check_prompt_length`), token ids against the vocabulary, a structured-output oneof both protocols spell alike
+(`structured_output`), and `decoder`, which turns bytes a protocol's message cannot be read from into an
+`UndecodableRequest`. Pure functions, so each bad-input case is tested without an engine. Every error names
+the field, as the request's protocol spells it.
 """
 
 from __future__ import annotations
@@ -15,18 +21,14 @@ from typing import TypeVar, get_args
 from google.protobuf.message import Message
 
 from phasescope.engine.request import (
-    ChatTurn,
     KvTransfer,
     ModelLimits,
-    ParsedInput,
     SamplingSpec,
     StructuredKind,
     StructuredOutput,
 )
 from phasescope.errors import InvalidRequestError
-from phasescope.v1 import inference_pb2 as pb
 
-CHAT_ROLES = ("system", "user", "assistant", "tool")
 MAX_STOP_STRINGS = 64
 MAX_STOP_STRING_CHARS = 1024
 # Bad words are bounded as stop strings are: both are matched against the output on every step.
@@ -40,12 +42,6 @@ MAX_LOGIT_BIAS = 100.0
 MAX_SAMPLES = 128
 """`n` at most: each sample is a sequence in the engine's batch, so one request cannot ask for more than a
 large batch (vLLM's own bound is 16384)."""
-MAX_REQUEST_ID_CHARS = 256
-
-# Top-level field numbers of the `input` oneof in GenerateRequest and TokenizeRequest.
-_GENERATE_INPUT_FIELDS = frozenset({2, 3, 4})
-_TOKENIZE_INPUT_FIELDS = frozenset({1, 2})
-
 
 M = TypeVar("M", bound=Message)
 
@@ -127,25 +123,6 @@ def decoder(
     return decode
 
 
-decode_watch_request = decoder(pb.WatchTelemetryRequest)
-decode_generate_request = decoder(pb.GenerateRequest, _GENERATE_INPUT_FIELDS)
-decode_tokenize_request = decoder(pb.TokenizeRequest, _TOKENIZE_INPUT_FIELDS)
-
-
-def parse_chat(chat: pb.Chat, field: str) -> tuple[ChatTurn, ...]:
-    if not chat.messages:
-        raise InvalidRequestError(f"{field}.messages", "must hold at least one message")
-    turns: list[ChatTurn] = []
-    for index, message in enumerate(chat.messages):
-        if message.role not in CHAT_ROLES:
-            raise InvalidRequestError(
-                f"{field}.messages[{index}].role",
-                f"unknown role {message.role!r}; expected one of {', '.join(CHAT_ROLES)}",
-            )
-        turns.append(ChatTurn(message.role, message.content))
-    return tuple(turns)
-
-
 def check_token_ids(token_ids: Sequence[int], field: str, limits: ModelLimits) -> None:
     for index, token_id in enumerate(token_ids):
         if not 0 <= token_id < limits.vocab_size:
@@ -153,36 +130,6 @@ def check_token_ids(token_ids: Sequence[int], field: str, limits: ModelLimits) -
                 f"{field}[{index}]",
                 f"token id {token_id} is outside the vocabulary (0 to {limits.vocab_size - 1})",
             )
-
-
-def parse_generate_input(request: pb.GenerateRequest, limits: ModelLimits) -> ParsedInput:
-    if len(request.request_id) > MAX_REQUEST_ID_CHARS:
-        raise InvalidRequestError("request_id", f"longer than {MAX_REQUEST_ID_CHARS} characters")
-    kind = request.WhichOneof("input")
-    if kind is None:
-        raise InvalidRequestError("input", "one of prompt, chat or token_ids is required")
-    if kind == "prompt":
-        if not request.prompt:
-            raise InvalidRequestError("prompt", "must not be empty")
-        check_prompt_chars(len(request.prompt), limits, "prompt")
-        return ParsedInput("prompt", prompt=request.prompt)
-    if kind == "chat":
-        chat = parse_chat(request.chat, "chat")
-        check_prompt_chars(sum(len(turn.content) for turn in chat), limits, "chat")
-        return ParsedInput("chat", chat=chat)
-    if not request.token_ids.ids:
-        raise InvalidRequestError("token_ids.ids", "must not be empty")
-    check_token_ids(request.token_ids.ids, "token_ids.ids", limits)
-    return ParsedInput("token_ids", token_ids=tuple(request.token_ids.ids))
-
-
-def parse_tokenize_input(request: pb.TokenizeRequest) -> ParsedInput:
-    kind = request.WhichOneof("input")
-    if kind is None:
-        raise InvalidRequestError("input", "one of text or chat is required")
-    if kind == "text":
-        return ParsedInput("prompt", prompt=request.text)
-    return ParsedInput("chat", chat=parse_chat(request.chat, "chat"))
 
 
 def check_prompt_chars(chars: int, limits: ModelLimits, field: str) -> None:
@@ -279,13 +226,6 @@ def structured_output(message: Message, kind: str | None, field: str) -> Structu
         raise InvalidRequestError(field, "is not a structured output this server knows")
     named: StructuredKind = kind  # type: ignore[assignment]  # checked just above
     return StructuredOutput(named, value=str(getattr(message, kind)), field=field)
-
-
-def v1_structured(sampling: pb.SamplingParams) -> StructuredOutput | None:
-    kind = sampling.structured.WhichOneof("kind")
-    if kind is None:
-        raise InvalidRequestError("sampling.structured", "set one of its kinds, or leave it unset for free text")
-    return structured_output(sampling.structured, kind, "sampling.structured.")
 
 
 def check_structured(structured: StructuredOutput) -> StructuredOutput:
