@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import grpc
 import pytest
-from smg_grpc_proto.generated import vllm_engine_pb2, vllm_engine_pb2_grpc
+from smg_grpc_proto.generated import vllm_engine_pb2
 
 from phasescope.client.client import Client, build_request
 from support.bad_input import BAD_ENGINE_REQUESTS, BAD_REQUESTS, MAX_MODEL_LEN, raw_call
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 
@@ -57,8 +58,7 @@ def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(cli
 @pytest.mark.parametrize("case", BAD_ENGINE_REQUESTS)
 def test_bad_engine_protocol_request_is_invalid_argument_naming_the_field(server: ServerProcess, case: str) -> None:
     request, field = BAD_ENGINE_REQUESTS[case]
-    with grpc.insecure_channel(server.address) as channel:
-        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as engine:
         for stream in (True, False):
             request.stream = stream
             with pytest.raises(grpc.RpcError) as caught:
@@ -75,8 +75,7 @@ def test_bad_engine_protocol_request_is_invalid_argument_naming_the_field(server
 
 def test_what_vllms_worker_serves_on_its_protocol_is_served_here_too(server: ServerProcess) -> None:
     """No request id, and max_tokens beyond the context: vLLM's worker serves both, so the gateway sends both."""
-    with grpc.insecure_channel(server.address) as channel:
-        engine = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as engine:
         without_id = vllm_engine_pb2.GenerateRequest(
             tokenized=vllm_engine_pb2.TokenizedInput(input_ids=[1, 2]),
             sampling_params=vllm_engine_pb2.SamplingParams(max_tokens=2, ignore_eos=True),

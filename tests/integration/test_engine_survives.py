@@ -27,11 +27,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.client.client import Client, build_request
 from phasescope.v1 import inference_pb2 as pb
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
@@ -60,11 +60,6 @@ def chunking_server(start_server: Callable[..., ServerProcess]) -> Iterator[Serv
     flags = ("--model", str(ensure_tiny_model()), "--max-num-batched-tokens", str(CHUNK_BUDGET),
              "--max-model-len", str(FUZZ_CONTEXT), "--max-concurrent-requests", "16")  # fmt: skip
     yield from stopped_at_module_end(start_server(*flags))
-
-
-def engine_stub(server: ServerProcess) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(server.address)
-    return channel, vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
 
 
 def engine_generate(stub: Any, request: vllm_pb.GenerateRequest) -> tuple[grpc.StatusCode, list[int], str]:
@@ -99,8 +94,7 @@ def long_prompt(tokens: int, start: int = 0) -> list[int]:
 def test_a_seeded_request_whose_prompt_spans_several_steps_is_served_on_the_engine_protocol(
     long_context_server: ServerProcess, tokens: int, sampling: dict[str, Any]
 ) -> None:
-    channel, stub = engine_stub(long_context_server)
-    with channel:
+    with open_engine_stub(long_context_server.address) as stub:
         request = vllm_pb.GenerateRequest(
             request_id=f"seeded-{tokens}",
             tokenized=vllm_pb.TokenizedInput(input_ids=long_prompt(tokens, tokens + len(sampling))),
@@ -127,8 +121,7 @@ def test_a_seeded_answer_is_the_same_whether_its_prompt_was_split_or_found_cache
     # The first request prefills 3,001 tokens in two steps and discards the first step's sample; the second
     # finds all but the last block in the prefix cache and prefills in one. Equal answers mean the discarded
     # sample drew nothing from the seeded stream (what CUDA's rewind guarantees).
-    channel, stub = engine_stub(long_context_server)
-    with channel:
+    with open_engine_stub(long_context_server.address) as stub:
         prompt = long_prompt(3001, 11)
 
         def ask(seed: int, request_id: str) -> list[int]:
@@ -270,8 +263,7 @@ def send(server: ServerProcess, stub: Any, case: FuzzRequest, request_id: str) -
 
 @pytest.fixture(scope="module")
 def fuzz_target(chunking_server: ServerProcess) -> Iterator[tuple[ServerProcess, Any, ThreadPoolExecutor]]:
-    channel, stub = engine_stub(chunking_server)
-    with channel, ThreadPoolExecutor(max_workers=3) as pool:
+    with open_engine_stub(chunking_server.address) as stub, ThreadPoolExecutor(max_workers=3) as pool:
         yield chunking_server, stub, pool
 
 

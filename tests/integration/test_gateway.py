@@ -14,14 +14,12 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import jsonschema
 import openai
 import pytest
 from openai.types.chat import ChatCompletionMessageParam
 from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as pb_grpc
 
 from phasescope.bench.harness import GatewayProcess, free_port
 from phasescope.bench.targets import load_tokenizer
@@ -29,6 +27,7 @@ from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.serve.timings import TIMINGS_METADATA_KEY
 from phasescope.telemetry.exposition import sum_samples
 from phasescope.v1 import inference_pb2 as v1
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -53,11 +52,6 @@ def openai_client(gateway: GatewayProcess) -> Iterator[openai.OpenAI]:
     # Closed after the test: an unclosed client's sockets are collected later, in another test, as a warning.
     with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
         yield client
-
-
-def stub(server: ServerProcess) -> tuple[grpc.Channel, Any]:
-    channel = grpc.insecure_channel(server.address)
-    return channel, pb_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
 
 
 CHAT: list[ChatCompletionMessageParam] = [{"role": "user", "content": "What is the capital of France?"}]
@@ -138,8 +132,7 @@ def test_the_trailing_timings_are_what_the_metrics_observed(server: ServerProces
     stages = ("frontend", "intake", "queue", "prefill", "decode")
     server.wait_engine_idle()
     before = {stage: server.sample_sum("phasescope_request_phase_seconds_sum", phase=stage) for stage in stages}
-    channel, engine = stub(server)
-    with channel:
+    with open_engine_stub(server.address) as engine:
         request = pb.GenerateRequest(
             request_id="timed", tokenized=pb.TokenizedInput(input_ids=[1, 504, 3458]),
             sampling_params=pb.SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True), stream=True,
@@ -180,8 +173,7 @@ def test_a_client_that_drops_mid_decode_frees_the_engines_request(
 
 def test_get_loads_agrees_with_the_metrics(server: ServerProcess) -> None:
     server.wait_engine_idle()
-    channel, engine = stub(server)
-    with channel:
+    with open_engine_stub(server.address) as engine:
         loads = engine.GetLoads(pb.GetLoadsRequest())
     samples = server.samples()
     (load,) = loads.loads
@@ -271,8 +263,7 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
     # Token ids, as the gateway sends them (smg's Rust request path takes nothing else).
     tokenizer = load_tokenizer(str(ensure_tiny_model()))
     for topic in range(6):
-        channel, engine = stub(worker_pair[topic % 2])
-        with channel:
+        with open_engine_stub(worker_pair[topic % 2].address) as engine:
             primed = pb.GenerateRequest(
                 request_id=f"prime-{topic}",
                 tokenized=pb.TokenizedInput(input_ids=list(tokenizer.encode(words(topic)))),
@@ -307,9 +298,8 @@ def test_each_kv_event_batch_carries_the_workers_load_and_an_idle_stream_its_hea
     # batches (the last sequence repeated) while no events flow.
     worker = worker_pair[1]
     worker.wait_engine_idle()
-    channel, engine = stub(worker)
     batches: list[common_pb2.KvEventBatch] = []
-    with channel:
+    with open_engine_stub(worker.address) as engine:
         loads = engine.GetLoads(pb.GetLoadsRequest())
         stream = engine.SubscribeKvEvents(common_pb2.SubscribeKvEventsRequest(), timeout=120)
         stream.initial_metadata()  # subscribed

@@ -14,12 +14,12 @@ import grpc
 import jsonschema
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 from transformers import AutoTokenizer
 
 from phasescope.client.client import Client, build_request
 from phasescope.telemetry.exposition import Samples, sum_samples
 from phasescope.v1 import inference_pb2 as pb
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 pytestmark = pytest.mark.integration
@@ -35,9 +35,8 @@ CAPITAL = [("user", "What is the capital of France? Answer in JSON.")]
 
 @pytest.fixture(scope="module")
 def engine_stub(server: ServerProcess) -> Any:
-    channel = grpc.insecure_channel(server.address)
-    yield vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
-    channel.close()
+    with open_engine_stub(server.address) as stub:
+        yield stub
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +44,7 @@ def tokenizer(default_model: Path) -> Any:
     return AutoTokenizer.from_pretrained(default_model)
 
 
-def engine_generate(stub: Any, tokenizer: Any, prompt: str, **sampling: Any) -> str:
+def engine_generate_text(stub: Any, tokenizer: Any, prompt: str, **sampling: Any) -> str:
     """A unary Generate over vLLM's engine protocol, token ids in and out as the gateway sends them."""
     text = tokenizer.apply_chat_template(
         [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
@@ -75,7 +74,7 @@ def test_a_regex_answer_matches_it(client: Client) -> None:
 
 def test_a_choice_over_the_engine_protocol_is_one_of_the_choices(engine_stub: Any, tokenizer: Any) -> None:
     choices = ["sunny", "rainy", "snowy"]
-    text = engine_generate(
+    text = engine_generate_text(
         engine_stub, tokenizer, "What is the weather like?", max_tokens=8,
         choice=vllm.ChoiceConstraint(choices=choices),
     )  # fmt: skip
@@ -83,7 +82,7 @@ def test_a_choice_over_the_engine_protocol_is_one_of_the_choices(engine_stub: An
 
 
 def test_a_json_schema_over_the_engine_protocol_validates(engine_stub: Any, tokenizer: Any) -> None:
-    text = engine_generate(
+    text = engine_generate_text(
         engine_stub, tokenizer, "What is the capital of France? Answer in JSON.", max_tokens=64,
         json_schema=json.dumps(SCHEMA),
     )  # fmt: skip
@@ -119,7 +118,7 @@ def test_a_schema_the_compiler_refuses_is_invalid_argument_while_other_requests_
     if protocol == "engine":
 
         def refused() -> object:
-            return engine_generate(engine_stub, tokenizer, "Answer in JSON.", max_tokens=16, json_schema=bad)
+            return engine_generate_text(engine_stub, tokenizer, "Answer in JSON.", max_tokens=16, json_schema=bad)
     else:
         structured = pb.StructuredOutput(json_schema=bad)
 

@@ -19,9 +19,9 @@ from typing import Any
 import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.client.client import build_request
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 BLOCK_TOKENS = 128
@@ -60,8 +60,7 @@ def pd_server(
 
 def complete(server: ServerProcess, request_id: str, **fields: Any) -> Any:
     """A greedy unary Generate on vLLM's engine protocol: its `GenerateComplete`."""
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as stub:
         request = vllm_pb.GenerateRequest(
             request_id=request_id, text=LONG_PROMPT, stream=False,
             sampling_params=vllm_pb.SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True), **fields,
@@ -78,8 +77,7 @@ def test_a_connector_worker_says_its_connector_and_role_and_a_prompt_seen_again_
     pd_server: tuple[ServerProcess, Path],
 ) -> None:
     server, store = pd_server
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as stub:
         info = stub.GetServerInfo(vllm_pb.GetServerInfoRequest(), timeout=30)
     assert (info.kv_connector, info.kv_role) == ("ExampleConnector", "kv_both")
     assert info.kv_engine_id  # vLLM makes one up when the configuration names none
@@ -121,8 +119,7 @@ def test_kv_transfer_params_pass_through_to_the_connector_without_error(pd_serve
         # The ExampleConnector answers nothing for the next worker.
         assert not answer.HasField("kv_transfer_params_json")
     # Malformed parameters are the caller's fault, and the worker keeps serving.
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as stub:
         bad = vllm_pb.GenerateRequest(request_id="kv-bad", text=LONG_PROMPT, kv_transfer_params_json="[1]")
         with pytest.raises(grpc.RpcError) as caught:
             list(stub.Generate(bad, timeout=60))

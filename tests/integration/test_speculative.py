@@ -8,12 +8,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-import grpc
 import pytest
 from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.client.client import Client, build_request
+from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
 
 K = 3
@@ -33,8 +32,7 @@ def drafting_server(start_server: Callable[..., ServerProcess], default_model: P
 
 
 def engine_complete(server: ServerProcess, ids: list[int], max_tokens: int) -> Any:
-    with grpc.insecure_channel(server.address) as channel:
-        stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+    with open_engine_stub(server.address) as stub:
         request = vllm_pb.GenerateRequest(
             request_id="spec", tokenized=vllm_pb.TokenizedInput(input_ids=ids), stream=False,
             sampling_params=vllm_pb.SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True),

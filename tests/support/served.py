@@ -15,13 +15,13 @@ from typing import Any
 
 import grpc
 from prometheus_client import CollectorRegistry
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc
 
 from phasescope.client.client import AsyncClient
 from phasescope.serve.build import Built, build_server
 from phasescope.serve.config import Settings
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.step.aggregator import StepAggregator
+from support.engine_protocol import engine_stub_on
 from support.fake_engine import ScriptedEngine
 
 MODEL = "scripted"
@@ -52,7 +52,7 @@ class Served:
         self.client = client
         self.registry = built.registry
         self.channel = channel
-        self.stub: Any = vllm_engine_pb2_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        self.stub: Any = engine_stub_on(channel)
         """vLLM's engine protocol (`client` speaks phasescope.v1)."""
 
     @property

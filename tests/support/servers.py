@@ -11,13 +11,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-import grpc
 from smg_grpc_proto.generated import common_pb2
-from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
 from phasescope.bench.harness import PhasescopeProcess, StartError
 from phasescope.client.client import Client
 from phasescope.telemetry.exposition import sum_samples
+from support.engine_protocol import open_engine_stub
 
 ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0
@@ -60,8 +59,7 @@ class ServerProcess(PhasescopeProcess):
     def flush_prefix_cache(self) -> None:
         """Drop the engine's own prefix cache, over vLLM's engine protocol (vLLM refuses while a request still
         holds blocks, as the one just answered may: try again)."""
-        with grpc.insecure_channel(self.address) as channel:
-            stub = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # its grpc module has no stubs
+        with open_engine_stub(self.address) as stub:
             deadline = time.monotonic() + 30
             while not stub.FlushCache(common_pb2.FlushCacheRequest(), timeout=30).success:
                 assert time.monotonic() < deadline, "the engine never flushed its prefix cache"
