@@ -131,7 +131,7 @@ class RustWorkerEngine:
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
     ) -> AsyncGenerator[EngineStep, None]:
         # Refused now, naming the field: vLLM's rules, and what the protocol cannot carry.
-        self._text.check(sampling)
+        params = self._text.check(sampling)
         request = pb.GenerateRequest(
             request_id=request_id,
             tokenized=pb.TokenizedInput(input_ids=prompt_token_ids),
@@ -144,7 +144,7 @@ class RustWorkerEngine:
         if self._description.data_parallel_size > 1:
             request.data_parallel_rank = engine_index
         detokenizers = (
-            [self._text.detokenizer(request_id, prompt_token_ids, sampling) for _ in range(sampling.n)]
+            [self._text.detokenizer(request_id, prompt_token_ids, sampling, params) for _ in range(sampling.n)]
             if sampling.detokenize
             else None
         )
@@ -294,10 +294,11 @@ class V1BesideRust:
         assert aggregator is not None
         assert engine_description is not None
         text = await asyncio.to_thread(TextSide.load, settings.engine_options(), self.model_path, self.model_name)
+        configured = text.description()
         description = dataclasses.replace(
-            text.description(),
+            configured,
             kv_cache_capacity_tokens=engine_description.kv_cache_capacity_tokens,
-            max_num_seqs=engine_description.max_num_seqs or text.description().max_num_seqs,
+            max_num_seqs=engine_description.max_num_seqs or configured.max_num_seqs,
         )
         engine = RustWorkerEngine(rust_address, text, description, telemetry.claims)
         v1_settings = settings.model_copy(update={"port": settings.effective_v1_port})

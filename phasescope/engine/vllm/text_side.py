@@ -90,11 +90,11 @@ class TextSide:
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         return tokenize_input(self._tokenizer, parsed)
 
-    def check(self, spec: SamplingSpec) -> None:
+    def check(self, spec: SamplingSpec) -> Any:
         """Refuse what vLLM's front end refuses (an `InvalidRequestError` naming the field) before it is sent: its
         sampling rules, and what it checks against the model (log probabilities, logit bias and stop token ids
         within the vocabulary, a structured output its grammar backend compiles). The Rust server hands some values
-        to the engine core unchecked."""
+        to the engine core unchecked. Returns vLLM's `SamplingParams` for the spec (what `detokenizer` reads)."""
         from vllm.exceptions import VLLMClientError
 
         params = sampling_params(spec, self._defaults)
@@ -108,12 +108,12 @@ class TextSide:
             if parameter is None and spec.structured is not None:
                 raise InvalidRequestError(spec.structured.field or "sampling", str(exc)) from exc
             raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
+        return params
 
-    def detokenizer(self, request_id: str, prompt_token_ids: list[int], spec: SamplingSpec) -> Detokenizer:
-        """A sample's detokenizer, primed with its prompt."""
+    def detokenizer(self, request_id: str, prompt_token_ids: list[int], spec: SamplingSpec, params: Any) -> Detokenizer:
+        """A sample's detokenizer, primed with its prompt; `params` are what `check` returned for the spec."""
         from vllm.v1.engine.detokenizer import IncrementalDetokenizer
 
-        params = sampling_params(spec, self._defaults)
         request = _Request(request_id, prompt_token_ids, params)
         stop_ids = set(spec.stop_token_ids) | (set() if spec.ignore_eos else set(self.eos_token_ids))
         return Detokenizer(
