@@ -65,9 +65,14 @@ def maps_own_errors(behaviour: _Behaviour) -> _Behaviour:
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     """Every exception a handler raises ends its RPC with the mapped status; the server keeps serving.
 
-    Only the services named in `services` are wrapped: the standard health and
-    reflection services map their own errors, and so do streaming handlers marked
-    `maps_own_errors` (each message of a wrapped stream costs one more generator step).
+    Only the services named in `services` are wrapped: the standard health and reflection services map
+    their own errors, and so do streaming handlers marked `maps_own_errors`. gRPC's own errors
+    (`grpc.aio.BaseError`: the handler's abort, a write to a call already over, a server stopping) go on
+    to gRPC as they are, and so does a cancellation (no Exception).
+
+    A stream's wrapper writes each message to gRPC itself (`context.write`) and yields none, so no
+    message crosses a second generator on its way out: gRPC, and any interceptor around this one that
+    iterates a stream (OpenTelemetry's server span), take a single step for the whole call.
     """
 
     def __init__(self, services: tuple[str, ...]) -> None:
@@ -111,7 +116,7 @@ def _map_unary(behaviour: Any) -> _UnaryBehaviour:
     async def mapped(request: Any, context: _Context) -> Any:
         try:
             return await unary(request, context)
-        except grpc.aio.AbortError:
+        except grpc.aio.BaseError:
             raise
         except Exception as exc:
             await _abort_with_status(context, exc)
@@ -126,12 +131,15 @@ def _map_stream(behaviour: Any) -> _StreamBehaviour:
         responses = stream(request, context)
         try:
             async for response in responses:
-                yield response
-        except grpc.aio.AbortError:
+                await context.write(response)
+        except grpc.aio.BaseError:
             raise
         except Exception as exc:
             await _abort_with_status(context, exc)
         finally:
+            # Also when cancelled while a write waits: the handler's own cleanup runs now.
             await responses.aclose()
+        return
+        yield  # an async generator that yields nothing: every message went out through `context.write`
 
     return mapped
