@@ -17,7 +17,7 @@ from opentelemetry.trace import StatusCode as SpanStatus
 
 from phasescope.errors import InvalidRequestError, OverloadedError
 from phasescope.serve.auth import BearerTokenInterceptor
-from phasescope.serve.interceptors import ExceptionToStatusInterceptor, StatusOnError, maps_own_errors
+from phasescope.serve.interceptors import ExceptionToStatusInterceptor
 
 SERVICE = "test.Echo"
 OTHER = "test.Unmapped"
@@ -43,15 +43,6 @@ async def stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
     if request == b"abort":
         await context.abort(grpc.StatusCode.NOT_FOUND, "no such thing")
     yield b"second"
-
-
-@maps_own_errors
-async def own_stream(request: bytes, context: Any) -> AsyncGenerator[bytes, None]:
-    async with StatusOnError(context):
-        yield b"first"
-        if request == b"overload":
-            raise OverloadedError("full")
-        yield b"second"
 
 
 class Parked:
@@ -87,7 +78,6 @@ def handlers(parked: Parked) -> grpc.GenericRpcHandler:
             "Unary": grpc.unary_unary_rpc_method_handler(unary),
             "Stream": grpc.unary_stream_rpc_method_handler(stream),
             "Parked": grpc.unary_stream_rpc_method_handler(parked.stream),
-            "OwnStream": grpc.unary_stream_rpc_method_handler(own_stream),
         },
     )
 
@@ -117,13 +107,10 @@ Ended = tuple[list[bytes], grpc.StatusCode, str]
 
 
 async def read_stream(
-    channel: grpc.aio.Channel,
-    payload: bytes,
-    metadata: tuple[tuple[str, str], ...] | None = None,
-    name: str = "Stream",
+    channel: grpc.aio.Channel, payload: bytes, metadata: tuple[tuple[str, str], ...] | None = None
 ) -> Ended:
     """The messages a stream delivered, then the status it ended with and its details."""
-    method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/{name}")
+    method: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = channel.unary_stream(f"/{SERVICE}/Stream")
     chunks: list[bytes] = []
     try:
         async for chunk in method(payload, metadata=metadata):
@@ -286,11 +273,3 @@ async def test_a_wrapped_stream_writes_each_message_itself_and_yields_none() -> 
     yielded = [message async for message in behaviour(b"ok", context)]
     assert yielded == []
     assert context.written == [b"first", b"second"]
-
-
-async def test_a_stream_mapping_its_own_errors_ends_with_the_same_status() -> None:
-    async def scenario() -> Ended:
-        async with served() as channel:
-            return await read_stream(channel, b"overload", name="OwnStream")
-
-    assert await scenario() == ([b"first"], grpc.StatusCode.RESOURCE_EXHAUSTED, "full")
