@@ -94,9 +94,10 @@ def _map_stream(behaviour: Any) -> _StreamBehaviour:
 
     async def mapped(request: Any, context: _Context) -> AsyncGenerator[Any, None]:
         responses = stream(request, context)
+        write = context.write  # looked up once: the context may be a proxy (the tracing span's)
         try:
             async for response in responses:
-                await context.write(response)
+                await write(response)
         except grpc.aio.BaseError:
             raise
         except Exception as exc:
