@@ -39,7 +39,8 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
 
     A stream's wrapper writes each message to gRPC itself (`context.write`) and yields none, so no
     message crosses a second generator on its way out: gRPC, and any interceptor around this one that
-    iterates a stream (OpenTelemetry's server span), take a single step for the whole call.
+    iterates a stream (OpenTelemetry's server span), take a single step for the whole call. A coroutine,
+    grpc.aio's other form of a stream handler, would fail under such an interceptor.
     """
 
     def __init__(self, services: tuple[str, ...]) -> None:
