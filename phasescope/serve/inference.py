@@ -3,8 +3,7 @@ shared request path, its responses written.
 
 Everything protocol-independent (admission, tokenising, the stages, the first-token and phase records,
 rejection counts) is the path's: `phasescope.serve.path`. The servicer never touches Prometheus or tracing.
-Exceptions leave through `phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status
-table (GenerateStream applies it itself, `StatusOnError`, so its chunks cross no wrapper generator).
+Exceptions leave through `phasescope.serve.interceptors.ExceptionToStatusInterceptor`, which owns the status table.
 """
 
 from __future__ import annotations
@@ -22,7 +21,6 @@ import grpc
 from phasescope.engine.base import TokenLogprob
 from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
 from phasescope.serve.admission import Admission
-from phasescope.serve.interceptors import StatusOnError, maps_own_errors
 from phasescope.serve.path import Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import timings_message
 from phasescope.serve.v1_requests import (
@@ -116,12 +114,10 @@ class InferenceServicer:
     ) -> AsyncGenerator[Output, None]:
         return self._path.generate(streaming, context, functools.partial(decode_generate, request))
 
-    @maps_own_errors
     async def GenerateStream(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateStreamResponse, None]:
-        # The status mapping is here, not in an interceptor's wrapper: each chunk crosses one generator fewer.
-        async with StatusOnError(context), aclosing(self._outputs(request, context, streaming=True)) as outputs:
+        async with aclosing(self._outputs(request, context, streaming=True)) as outputs:
             async for output in outputs:
                 yield _chunk(output)
 

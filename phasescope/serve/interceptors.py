@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncGenerator, Awaitable, Callable
-from types import TracebackType
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 
@@ -18,7 +17,6 @@ logger = logging.getLogger(__name__)
 _Context = grpc.aio.ServicerContext[Any, Any]
 _UnaryBehaviour = Callable[[Any, _Context], Awaitable[Any]]
 _StreamBehaviour = Callable[[Any, _Context], AsyncGenerator[Any, None]]
-_Behaviour = TypeVar("_Behaviour", bound=Callable[..., Any])
 
 
 async def _abort_with_status(context: _Context, exc: Exception) -> None:
@@ -32,42 +30,17 @@ async def _abort_with_status(context: _Context, exc: Exception) -> None:
     await context.abort(code, details)
 
 
-class StatusOnError:
-    """What the interceptor does for a handler, done inside it: an exception raised in the block ends the RPC
-    with its mapped status. A streaming handler that opens this around its whole body and is marked
-    `maps_own_errors` is not wrapped, so its messages cross no second generator on their way to gRPC.
-    A class, not a generator-based context manager: it is entered on the path every request takes, and its
-    enter and exit run no generator."""
-
-    __slots__ = ("_context",)
-
-    def __init__(self, context: _Context) -> None:
-        self._context = context
-
-    async def __aenter__(self) -> None:
-        return None
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, traceback: TracebackType | None
-    ) -> bool:
-        if not isinstance(exc, Exception) or isinstance(exc, grpc.aio.AbortError):
-            return False  # none, the RPC's own abort, or a cancellation: on its way
-        await _abort_with_status(self._context, exc)  # raises gRPC's AbortError
-        return True
-
-
-def maps_own_errors(behaviour: _Behaviour) -> _Behaviour:
-    """Marks a streaming handler whose body runs inside `StatusOnError` (the interceptor leaves it as it is)."""
-    behaviour.maps_own_errors = True  # type: ignore[attr-defined]  # a marker read back with getattr
-    return behaviour
-
-
 class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
     """Every exception a handler raises ends its RPC with the mapped status; the server keeps serving.
 
-    Only the services named in `services` are wrapped: the standard health and
-    reflection services map their own errors, and so do streaming handlers marked
-    `maps_own_errors` (each message of a wrapped stream costs one more generator step).
+    Only the services named in `services` are wrapped: the standard health and reflection services map
+    their own errors. gRPC's own errors (`grpc.aio.BaseError`: the handler's abort, a write to a call
+    already over, a server stopping) go on to gRPC as they are, and so does a cancellation (no Exception).
+
+    A stream's wrapper writes each message to gRPC itself (`context.write`) and yields none, so no
+    message crosses a second generator on its way out: gRPC, and any interceptor around this one that
+    iterates a stream (OpenTelemetry's server span), take a single step for the whole call. A coroutine,
+    grpc.aio's other form of a stream handler, would fail under such an interceptor.
     """
 
     def __init__(self, services: tuple[str, ...]) -> None:
@@ -84,8 +57,6 @@ class ExceptionToStatusInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_unary is not None:
             return with_behaviour(handler, _map_unary(handler.unary_unary))
         if handler.unary_stream is not None:
-            if getattr(handler.unary_stream, "maps_own_errors", False):
-                return handler
             return with_behaviour(handler, _map_stream(handler.unary_stream))
         return handler
 
@@ -111,7 +82,7 @@ def _map_unary(behaviour: Any) -> _UnaryBehaviour:
     async def mapped(request: Any, context: _Context) -> Any:
         try:
             return await unary(request, context)
-        except grpc.aio.AbortError:
+        except grpc.aio.BaseError:
             raise
         except Exception as exc:
             await _abort_with_status(context, exc)
@@ -124,14 +95,18 @@ def _map_stream(behaviour: Any) -> _StreamBehaviour:
 
     async def mapped(request: Any, context: _Context) -> AsyncGenerator[Any, None]:
         responses = stream(request, context)
+        write = context.write  # looked up once: the context may be a proxy (the tracing span's)
         try:
             async for response in responses:
-                yield response
-        except grpc.aio.AbortError:
+                await write(response)
+        except grpc.aio.BaseError:
             raise
         except Exception as exc:
             await _abort_with_status(context, exc)
         finally:
+            # Also when cancelled while a write waits: the handler's own cleanup runs now.
             await responses.aclose()
+        return
+        yield  # an async generator that yields nothing: every message went out through `context.write`
 
     return mapped

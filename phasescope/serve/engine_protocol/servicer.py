@@ -41,7 +41,6 @@ from phasescope.errors import NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import engine_load, scheduler_loads
 from phasescope.serve.engine_protocol.requests import decode_generate
-from phasescope.serve.interceptors import StatusOnError, maps_own_errors
 from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, decoder
@@ -70,7 +69,6 @@ class VllmEngineServicer:
         """Where GetLoads reads the engine's figures, once they exist (`phasescope.serve.build.Built.attach_engine`)."""
         self._telemetry = source
 
-    @maps_own_errors
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
     ) -> AsyncGenerator[pb.GenerateResponse, None]:
@@ -81,8 +79,7 @@ class VllmEngineServicer:
         def decode(limits: ModelLimits) -> GenerationAsk:
             return decode_generate(request, limits, path.ready_engine().description.data_parallel_size)
 
-        # The status mapping is here, not in an interceptor's wrapper: each message crosses one generator.
-        async with StatusOnError(context), aclosing(path.generate(streaming, context, decode)) as outputs:
+        async with aclosing(path.generate(streaming, context, decode)) as outputs:
             if streaming:
                 async for output in outputs:
                     yield _chunk(output)
