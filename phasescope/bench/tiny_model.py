@@ -62,16 +62,17 @@ def build_tiny_model(folder: Path) -> Path:
 def ensure_tiny_model() -> Path:
     """The cached tiny model's folder, built first if it is missing or from an older format."""
     target = tiny_model_dir()
-    marker = target / _MARKER
-    try:
-        if json.loads(marker.read_text()).get("format_version") == _FORMAT_VERSION:
-            return target
-    except (OSError, ValueError):
-        pass
 
     def build(staging: Path) -> None:
         build_tiny_model(staging)
         (staging / _MARKER).write_text(json.dumps({"format_version": _FORMAT_VERSION, "name": TINY_MODEL_NAME}) + "\n")
 
-    build_in_place(target, build)
+    build_in_place(target, _current, build)
     return target
+
+
+def _current(target: Path) -> bool:
+    try:
+        return bool(json.loads((target / _MARKER).read_text()).get("format_version") == _FORMAT_VERSION)
+    except (OSError, ValueError):
+        return False

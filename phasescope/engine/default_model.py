@@ -16,6 +16,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from filelock import FileLock
+
 logger = logging.getLogger(__name__)
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
@@ -74,25 +76,33 @@ def ensure_default_model() -> Path:
     if is_prepared(target):
         return target
     source = gguf_path()
-    logger.info("preparing the default model %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, source, target)
-    build_in_place(target, lambda staging: _convert(source, staging))
-    logger.info("default model ready in %s", target)
+
+    def convert(staging: Path) -> None:
+        logger.info("preparing the default model %s from %s (once; cached in %s)", DEFAULT_MODEL_NAME, source, target)
+        _convert(source, staging)
+        logger.info("default model ready in %s", target)
+
+    build_in_place(target, is_prepared, convert)
     return target
 
 
-def build_in_place(target: Path, build: Callable[[Path], None]) -> None:
-    """Run `build` into a temporary sibling of `target`, then rename it into place: an interrupted
-    build never leaves a half-written model behind."""
+def build_in_place(target: Path, ready: Callable[[Path], bool], build: Callable[[Path], None]) -> None:
+    """Unless `ready(target)`, run `build` into a temporary sibling of `target`, then rename it into place: an
+    interrupted build never leaves a half-written model behind. Processes that prepare the same folder at once
+    (servers started together on a fresh machine) take turns, and the later ones find it ready."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
-    try:
-        build(staging)
-        if target.exists():
-            shutil.rmtree(target)
-        staging.rename(target)
-    finally:
-        if staging.exists():
-            shutil.rmtree(staging, ignore_errors=True)
+    with FileLock(target.parent / f".{target.name}.lock"):
+        if ready(target):
+            return
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+        try:
+            build(staging)
+            if target.exists():
+                shutil.rmtree(target)
+            staging.rename(target)
+        finally:
+            if staging.exists():
+                shutil.rmtree(staging, ignore_errors=True)
 
 
 def _convert(source: Path, destination: Path) -> None:

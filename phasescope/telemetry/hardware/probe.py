@@ -303,7 +303,8 @@ def cached_measure(
     logger.info("measuring %s peaks (read bandwidth and %s matmul FLOP/s, a few seconds, once)", device, dtype)
     result = measure(device, dtype, threads)
     path.parent.mkdir(parents=True, exist_ok=True)
-    temporary = path.with_suffix(".tmp")
+    # A temporary file of its own: servers started together on a fresh machine may each measure and store.
+    temporary = path.with_suffix(f".{os.getpid()}.tmp")
     temporary.write_text(json.dumps({"identity": identity, "result": _as_dict(result)}))
     temporary.replace(path)
     return result, False
