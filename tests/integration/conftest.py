@@ -1,7 +1,8 @@
 """Fixtures for integration tests: the real engine behind real servers.
 
-The default server starts once per session; modules that must stop or break a
-server (drain, engine death) start their own through `start_server`.
+The default server starts once per session; modules that need other flags, or must stop or
+break a server (drain, engine death), start their own through `start_server`, and each is
+stopped when its module ends.
 """
 
 from __future__ import annotations
@@ -16,6 +17,19 @@ from phasescope.engine.default_model import ensure_default_model
 from support.otlp import OtlpReceiver
 from support.servers import ServerProcess
 
+# The modules that take longest, longest first (from `--durations`): with two workers each taking the next module
+# as it finishes one (scripts/check.sh), the long ones start early and the short ones fill in around them.
+LONGEST_FIRST = (
+    "test_engine_survives", "test_gateway", "test_disaggregation", "test_speculative", "test_loadtests",
+    "test_engine_side_telemetry", "test_kv_transfer", "test_data_parallel", "test_capacity",
+    "test_telemetry_under_load", "test_prometheus_live", "test_lifecycle",
+)  # fmt: skip
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: index for index, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.stem, len(rank)))
+
 
 @pytest.fixture(scope="session")
 def default_model() -> Path:
@@ -23,23 +37,55 @@ def default_model() -> Path:
     return ensure_default_model()
 
 
-@pytest.fixture(scope="session")
-def start_server(
-    default_model: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[Callable[..., ServerProcess]]:
-    started: list[ServerProcess] = []
+class Servers:
+    """Every server the tests start. Each is stopped at the end of the module that started it, the shared one at
+    the session's end, so a run holds only the servers of the module it is in (two run side by side, one module
+    each: scripts/check.sh)."""
 
-    def start(*extra_args: str, wait: bool = True, env: dict[str, str] | None = None) -> ServerProcess:
-        log = tmp_path_factory.mktemp("server") / "serve.log"
+    def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
+        self._tmp_path_factory = tmp_path_factory
+        self._module: list[ServerProcess] = []
+        self._session: list[ServerProcess] = []
+
+    def start(
+        self, *extra_args: str, wait: bool = True, env: dict[str, str] | None = None, shared: bool = False
+    ) -> ServerProcess:
+        log = self._tmp_path_factory.mktemp("server") / "serve.log"
         server = ServerProcess(log, tuple(extra_args), env)
-        started.append(server)
+        (self._session if shared else self._module).append(server)
         if wait:
             server.wait_serving()
         return server
 
-    yield start
-    for server in started:
-        server.stop()
+    def stop_module_servers(self) -> None:
+        while self._module:
+            self._module.pop().stop()
+
+    def stop_all(self) -> None:
+        self.stop_module_servers()
+        while self._session:
+            self._session.pop().stop()
+
+
+@pytest.fixture(scope="session")
+def started_servers(default_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Servers]:
+    started = Servers(tmp_path_factory)
+    try:
+        yield started
+    finally:
+        started.stop_all()
+
+
+@pytest.fixture(scope="session")
+def start_server(started_servers: Servers) -> Callable[..., ServerProcess]:
+    return started_servers.start
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _stop_the_modules_servers(started_servers: Servers) -> Iterator[None]:
+    """After the module's own fixtures are torn down (an autouse fixture is set up first), what it left running."""
+    yield
+    started_servers.stop_module_servers()
 
 
 @pytest.fixture(scope="session")
@@ -57,6 +103,7 @@ def server(start_server: Callable[..., ServerProcess], otlp_receiver: OtlpReceiv
         f"http://127.0.0.1:{otlp_receiver.port}",
         # Export batches every 100 ms instead of every 5 s, so tests see spans quickly.
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
+        shared=True,
     )
 
 

@@ -62,7 +62,8 @@ class Stream:
 
 def test_health_is_not_serving_until_the_engine_is_warm(small_server: ServerProcess) -> None:
     # The gRPC port opens before the engine loads; health must say so.
-    seen = [status for status in small_server.health_history if status != "UNREACHABLE"]
+    # A probe that found nothing listening yet, or got no answer in time on a busy machine, says nothing.
+    seen = [status for status in small_server.health_history if status not in ("UNREACHABLE", "DEADLINE_EXCEEDED")]
     assert seen == ["NOT_SERVING", "SERVING"]
     assert small_server.health("phasescope.v1.Inference") == "SERVING"
 

@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 START_TIMEOUT_SECONDS = 300.0
 # The settings every test server shares: small context and KV cache, no graph capture.
 BASE_ARGS = (
-    "--enforce-eager", "--kv-cache-gib", "1", "--max-model-len", "2048", "--shutdown-grace-seconds", "30",
+    "--enforce-eager", "--kv-cache-gib", "0.5", "--max-model-len", "2048", "--shutdown-grace-seconds", "30",
     # A short window keeps the roofline tests quick.
     "--metrics-window-seconds", "5",
 )  # fmt: skip
