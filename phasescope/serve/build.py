@@ -166,7 +166,9 @@ class Built:
             aggregator = step_aggregator(
                 self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
             )
-            StepMetrics(self.model_name, aggregator, self.registry)
+            step_metrics = StepMetrics(self.model_name, aggregator)
+            aggregator.add_sink(step_metrics)
+            self.registry.register(step_metrics)
             self.steps.attach(aggregator.record)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
         self.path.interference = aggregator.interference.read

@@ -128,7 +128,9 @@ class HubTelemetry:
         aggregator = step_aggregator(
             settings, description, engine_peaks, (requests, self.recent), self.pipeline, errors
         )
-        StepMetrics(model, aggregator, self.registry)
+        step_metrics = StepMetrics(model, aggregator)
+        aggregator.add_sink(step_metrics)
+        self.registry.register(step_metrics)
         self.aggregator, self.description = aggregator, description
         # On the hub's own thread: no request path reads the engine's totals on the event loop here, and a scrape
         # hands on what is held under the pipeline's lock (one thread hop and one loop wake-up less per message).

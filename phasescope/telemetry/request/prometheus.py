@@ -57,11 +57,10 @@ class TokenCounts(Collector):
     adds (one writer); a scrape reads a copy of the totals, made in one step, and every total it
     reads is one the loop had reached, so the series never goes down."""
 
-    def __init__(self, registry: CollectorRegistry, documentation: str) -> None:
+    def __init__(self, documentation: str) -> None:
         self.prefill: dict[str, int] = {}
         self.decode: dict[str, int] = {}
         self._documentation = documentation
-        registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("phasescope_tokens", self._documentation, labels=["model", "phase"])
@@ -153,10 +152,10 @@ class PrometheusRequestObserver:
             registry=registry,
         )
         self.tokens = TokenCounts(
-            registry,
             "Tokens per phase, counted as they happen: prefill = prompt tokens computed (prefix-cache hits "
             "excluded), at the first token; decode = output tokens, as they stream.",
         )
+        registry.register(self.tokens)  # where the series beside it register (their `registry=`)
         self._decode_tokens = self.tokens.decode
         self.requests = Counter(
             "phasescope_requests",

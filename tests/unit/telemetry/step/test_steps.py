@@ -41,7 +41,9 @@ def metrics(
     """The steps' aggregator with its Prometheus export in `registry`."""
     peaks = PEAKS.shared_by(engines) if shared else PEAKS
     aggregator = StepAggregator(COST, "float32", peaks, engines=engines, window_seconds=10.0, clock=clock, **options)
-    StepMetrics("m", aggregator, registry)
+    step_metrics = StepMetrics("m", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     return aggregator
 
 
