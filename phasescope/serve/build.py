@@ -35,7 +35,7 @@ from phasescope.serve.engine_protocol.servicer import SERVICE_NAME as ENGINE_PRO
 from phasescope.serve.engine_protocol.servicer import VllmEngineServicer, engine_protocol_handler
 from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
-from phasescope.serve.path import RequestPath
+from phasescope.serve.path import Attached, RequestPath
 from phasescope.serve.peaks import engine_cost_per_hour
 from phasescope.serve.tracing_setup import Tracing, build_tracing
 from phasescope.serve.watch import ServerFacts
@@ -171,12 +171,14 @@ class Built:
             self.registry.register(step_metrics)
             self.steps.attach(aggregator.record)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
-        self.path.interference = aggregator.interference.read
-        self.path.engine = engine
-        live = LiveTelemetry(aggregator, recent or self.recent, self.pipeline)
-        facts = ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started)
-        self.inference.attach_telemetry(facts, live)
-        self.engine_protocol.attach_telemetry(live)
+        self.path.attach(
+            Attached(
+                engine,
+                interference=aggregator.interference.read,
+                facts=ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started),
+                telemetry=LiveTelemetry(aggregator, recent or self.recent, self.pipeline),
+            )
+        )
         self.aggregator = aggregator
         return aggregator
 
