@@ -2,15 +2,29 @@
 
 `build_server(settings)` makes what does not depend on the engine (the telemetry pipeline, the observers,
 the request path, both protocols' handlers, health, reflection, the interceptors, the gRPC server, not yet
-started); `Built.attach_engine(engine, peaks)` wires what does (the step aggregator and its series, the
-live views, the engine itself). `phasescope.serve.app.Server` starts, serves and stops what this built;
-tests build their servers here too, so they exercise what production wires.
+started). Once the engine has started, `Built.decide_for(engine)` decides what it brings (the peaks each engine
+is judged against, whether the front end is pinned, its GPUs' counters) and `Built.attach_engine(engine, peaks)`
+wires it: the step aggregator, its series, then one `Attached` (the engine, its interference totals, the
+server's facts, the live telemetry) set on the request path, where both protocols' handlers read it.
+`phasescope.serve.app.Server` starts, serves and stops what this built; tests build their servers here too, so
+they exercise what production wires.
 
-    telemetry pipeline ◀── held records ── ObserverGroup ◀── RequestPath ◀── InferenceServicer
-          ▲   ▲                                   │                   ◀── VllmEngineServicer
-          │   └── step reports ── StepAggregator ◀┴ StepForwarder ◀── StepHub ◀── each engine core's scheduler
-          └────── vLLM's own series (its Prometheus logger)
-    a scrape, the live view, GetLoads: hand on what the pipeline holds, then read
+From a request or an engine step to a Prometheus sample, as wired here:
+
+    InferenceServicer ──┐
+    VllmEngineServicer ─┴▶ RequestPath ─▶ RequestLifecycle ─▶ ObserverGroup ─┬─▶ tracing's observer: every call
+                           (FirstTokenRecord, PhaseRecord, each once)         │   at once
+                                                                              └─▶ PrometheusRequestObserver,
+                                                                                  RecentLatencies: the records
+                                                                                  held, the counts at once
+    each engine core's scheduler ─▶ StepHub ─▶ StepForwarder ─▶ StepAggregator ─┬─▶ interference ledger, at once
+                                                                                └─▶ held: the window, then the
+                                                                                    sinks RecentLatencies, StepMetrics
+    vLLM's own series (its Prometheus logger) ─▶ held
+    held: in the TelemetryPipeline, in the order they came, handed on once 96 are held and no request waits for
+          its first token (at most 1 s later), and before every read: a scrape (its hook), the live view, GetLoads
+    the registry, in order: telemetry errors, the pipeline's hook, the request series (build_server), the step
+          series, the GPU counters (attach_engine) ─▶ /metrics
 """
 
 from __future__ import annotations
