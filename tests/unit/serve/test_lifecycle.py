@@ -315,3 +315,10 @@ async def test_the_interference_source_wired_into_the_path_later_is_the_one_its_
         request.took(step(1))
         request.took(step(2, finished=True))
     assert request.interference == Interference(2.0, 0.75)
+
+
+def test_an_engine_is_attached_to_a_path_once() -> None:
+    requests = path(Recorder())
+    attach(requests, lambda engine: Interference())
+    with pytest.raises(RuntimeError, match="already attached"):
+        attach(requests, lambda engine: Interference())
