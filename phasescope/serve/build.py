@@ -264,14 +264,16 @@ def build_server(
 ) -> Built:
     """Every part of a server for `settings`, its model served as `model_name`; with `engine` (and its `peaks`)
     the engine is attached too. `on_engine_dead` is awaited once when a request finds the engine dead."""
-    telemetry_errors = TelemetryErrors(model_name, registry)
+    telemetry_errors = TelemetryErrors(model_name)
+    registry.register(telemetry_errors)
     waits = FirstTokenWaits()
     pipeline = TelemetryPipeline(waits, on_error=telemetry_errors)
     # First: a registry collects in registration order, and a scrape hands on what is held before the series.
     registry.register(pipeline.scrape_hook())
     tracing = build_tracing(settings)
     recent = RecentLatencies()
-    request_metrics = PrometheusRequestObserver(registry, model_name)
+    request_metrics = PrometheusRequestObserver(model_name)
+    registry.register(request_metrics)
     direct: list[RequestObserver] = [tracing.observer] if tracing is not None else []
     records = ObserverGroup(direct, [request_metrics, recent], pipeline=pipeline, on_error=telemetry_errors)
     tokens = load_tokens(settings.auth_tokens_file, env_auth_tokens())

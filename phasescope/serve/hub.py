@@ -121,8 +121,10 @@ class HubTelemetry:
             )
             return
         model = facts.model_name
-        self.errors = errors = TelemetryErrors(model, self.registry)
-        request_metrics = PrometheusRequestObserver(self.registry, model)
+        self.errors = errors = TelemetryErrors(model)
+        self.registry.register(errors)
+        request_metrics = PrometheusRequestObserver(model)
+        self.registry.register(request_metrics)
         request_metrics.cost = facts.cost  # what a prefix-cache hit saves, in FLOPs
         requests = EngineSideRequests(model, (request_metrics, self.recent))
         aggregator = step_aggregator(

@@ -54,7 +54,8 @@ class Stamped(Collector):
 class Served:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.observer = PrometheusRequestObserver(self.registry, "tiny")
+        self.observer = PrometheusRequestObserver("tiny")
+        self.registry.register(self.observer)
         registry = self.registry
         self.observer.request_started("tiny")
         self.observer.tokens_generated("tiny", 7)

@@ -272,7 +272,9 @@ def test_forwarder_drops_reports_until_a_sink_is_attached() -> None:
 
 def test_a_failing_sink_is_contained_and_counted() -> None:
     registry = CollectorRegistry()
-    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
+    errors = TelemetryErrors("m")
+    registry.register(errors)
+    forward = StepForwarder(on_error=errors)
 
     def broken(report: StepReport) -> None:
         raise ZeroDivisionError("broken sink")
