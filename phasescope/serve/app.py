@@ -26,17 +26,14 @@ from prometheus_client import REGISTRY, CollectorRegistry, disable_created_metri
 from phasescope.engine.base import Engine, EngineConfigError
 from phasescope.engine.default_model import DEFAULT_MODEL_NAME, ensure_default_model
 from phasescope.engine.vllm import TELEMETRY_SCHEDULER
-from phasescope.environment import TELEMETRY_ENDPOINT, env_auth_tokens, env_cuda_devices, export_telemetry_endpoint
+from phasescope.environment import TELEMETRY_ENDPOINT, env_auth_tokens, export_telemetry_endpoint
 from phasescope.serve.auth import server_credentials
 from phasescope.serve.build import Built, build_server
 from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
 from phasescope.serve.hub import hub_telemetry
-from phasescope.serve.peaks import per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.serve.rust_mode import V1BesideRust
 from phasescope.telemetry.endpoint import start_metrics_server
-from phasescope.telemetry.hardware.gpu_counters import GpmSampler, start_gpu_counters
-from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.records import StepForwarder
 
@@ -136,10 +133,13 @@ class Server:
         engine = await self._start_engine(built, model_path, model_name, stack)
         if engine is None:
             return
-        built.attach_engine(engine, await self._judge_against(engine))
-        gpu_counters = await self._gpu_counters(engine, model_name)
-        if gpu_counters is not None:
-            stack.callback(gpu_counters.close)
+        decided = await asyncio.to_thread(built.decide_for, engine)
+        if decided.pin_front_end:
+            await asyncio.to_thread(_pin_front_end)
+        built.attach_engine(engine, decided.peaks, gpu_counters=decided.gpu_counters)
+        if decided.gpu_counters is not None:
+            decided.gpu_counters.start()
+            stack.callback(decided.gpu_counters.close)
         await engine.warm_up()
         young = self.settings.effective_gc_young_threshold
         frozen, python_young = freeze_startup_heap(young)
@@ -204,37 +204,6 @@ class Server:
     async def _close_engine(engine: Engine) -> None:
         logger.info("stopping the engine")
         await engine.close()
-
-    async def _judge_against(self, engine: Engine) -> HardwarePeaks:
-        """The peaks each engine is judged against (datasheet, flags or a probe), logged once."""
-        settings, description = self.settings, engine.description
-        peaks = await asyncio.to_thread(
-            resolve_peaks, settings, description.device, description.on_cpu, description.dtype
-        )
-        if description.on_cpu and settings.pin_front_end:
-            # After the peaks: a probe measures the whole machine, not the CPUs left to the front end.
-            await asyncio.to_thread(_pin_front_end)
-        # On a CPU the engine cores share the machine's cores and memory.
-        engine_peaks = with_memory_capacity(
-            per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu), description
-        )
-        bandwidth = engine_peaks.memory_bandwidth_bytes_per_second
-        flops = engine_peaks.peak_flops(description.dtype)
-        logger.info(
-            "judging utilisation against %s peaks of %s: %.3g GB/s, %.3g TFLOP/s %s (ridge %.1f FLOP/byte)",
-            peaks.source,
-            peaks.description or peaks.device,
-            bandwidth / 1e9,
-            flops / 1e12,
-            description.dtype,
-            flops / bandwidth,
-        )
-        return engine_peaks
-
-    async def _gpu_counters(self, engine: Engine, model_name: str) -> GpmSampler | None:
-        if engine.description.on_cpu:
-            return None
-        return await asyncio.to_thread(start_gpu_counters, self.registry, model_name, environ=env_cuda_devices())
 
     async def _watch_engine(self, engine: Engine) -> None:
         """Notices a death no request has met yet (an idle engine's)."""

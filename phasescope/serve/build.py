@@ -2,15 +2,29 @@
 
 `build_server(settings)` makes what does not depend on the engine (the telemetry pipeline, the observers,
 the request path, both protocols' handlers, health, reflection, the interceptors, the gRPC server, not yet
-started); `Built.attach_engine(engine, peaks)` wires what does (the step aggregator and its series, the
-live views, the engine itself). `phasescope.serve.app.Server` starts, serves and stops what this built;
-tests build their servers here too, so they exercise what production wires.
+started). Once the engine has started, `Built.decide_for(engine)` decides what it brings (the peaks each engine
+is judged against, whether the front end is pinned, its GPUs' counters) and `Built.attach_engine(engine, peaks)`
+wires it: the step aggregator, its series, then one `Attached` (the engine, its interference totals, the
+server's facts, the live telemetry) set on the request path, where both protocols' handlers read it.
+`phasescope.serve.app.Server` starts, serves and stops what this built; tests build their servers here too, so
+they exercise what production wires.
 
-    telemetry pipeline ◀── held records ── ObserverGroup ◀── RequestPath ◀── InferenceServicer
-          ▲   ▲                                   │                   ◀── VllmEngineServicer
-          │   └── step reports ── StepAggregator ◀┴ StepForwarder ◀── StepHub ◀── each engine core's scheduler
-          └────── vLLM's own series (its Prometheus logger)
-    a scrape, the live view, GetLoads: hand on what the pipeline holds, then read
+From a request or an engine step to a Prometheus sample, as wired here:
+
+    InferenceServicer ──┐
+    VllmEngineServicer ─┴▶ RequestPath ─▶ RequestLifecycle ─▶ ObserverGroup ─┬─▶ tracing's observer: every call
+                           (FirstTokenRecord, PhaseRecord, each once)         │   at once
+                                                                              └─▶ PrometheusRequestObserver,
+                                                                                  RecentLatencies: the records
+                                                                                  held, the counts at once
+    each engine core's scheduler ─▶ StepHub ─▶ StepForwarder ─▶ StepAggregator ─┬─▶ interference ledger, at once
+                                                                                └─▶ held: the window, then the
+                                                                                    sinks RecentLatencies, StepMetrics
+    vLLM's own series (its Prometheus logger) ─▶ held
+    held: in the TelemetryPipeline, in the order they came, handed on once 96 are held and no request waits for
+          its first token (at most 1 s later), and before every read: a scrape (its hook), the live view, GetLoads
+    the registry, in order: telemetry errors, the pipeline's hook, the request series (build_server), the step
+          series, the GPU counters (attach_engine) ─▶ /metrics
 """
 
 from __future__ import annotations
@@ -27,7 +41,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import REGISTRY, CollectorRegistry
 
 from phasescope.engine.base import Engine, ModelDescription
-from phasescope.environment import env_auth_tokens
+from phasescope.environment import env_auth_tokens, env_cuda_devices
 from phasescope.serve.admission import Admission
 from phasescope.serve.auth import BearerTokenInterceptor, caller_identity, load_tokens
 from phasescope.serve.config import Settings
@@ -35,11 +49,12 @@ from phasescope.serve.engine_protocol.servicer import SERVICE_NAME as ENGINE_PRO
 from phasescope.serve.engine_protocol.servicer import VllmEngineServicer, engine_protocol_handler
 from phasescope.serve.inference import SERVICE_NAME, InferenceServicer, inference_handler
 from phasescope.serve.interceptors import ExceptionToStatusInterceptor
-from phasescope.serve.path import RequestPath
-from phasescope.serve.peaks import engine_cost_per_hour
+from phasescope.serve.path import Attached, RequestPath
+from phasescope.serve.peaks import engine_cost_per_hour, per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.serve.tracing_setup import Tracing, build_tracing
 from phasescope.serve.watch import ServerFacts
 from phasescope.telemetry.errors import TelemetryErrors
+from phasescope.telemetry.hardware.gpu_counters import GpmSampler, gpm_sampler
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
 from phasescope.telemetry.model.speculation import Drafter
@@ -126,6 +141,42 @@ def step_aggregator(
     )
 
 
+def judged_against(settings: Settings, description: ModelDescription) -> HardwarePeaks:
+    """The peaks each engine is judged against (datasheet, flags or a probe), logged once. Blocking: a probe
+    measures the machine."""
+    peaks = resolve_peaks(settings, description.device, description.on_cpu, description.dtype)
+    # On a CPU the engine cores share the machine's cores and memory.
+    engine_peaks = with_memory_capacity(
+        per_engine_peaks(peaks, settings, description.data_parallel_size, description.on_cpu), description
+    )
+    bandwidth = engine_peaks.memory_bandwidth_bytes_per_second
+    flops = engine_peaks.peak_flops(description.dtype)
+    logger.info(
+        "judging utilisation against %s peaks of %s: %.3g GB/s, %.3g TFLOP/s %s (ridge %.1f FLOP/byte)",
+        peaks.source,
+        peaks.description or peaks.device,
+        bandwidth / 1e9,
+        flops / 1e12,
+        description.dtype,
+        flops / bandwidth,
+    )
+    return engine_peaks
+
+
+@dataclass(frozen=True)
+class EngineDecisions:
+    """What is decided once the engine has started and said what it is (`Built.decide_for`); the server acts on
+    it (`phasescope.serve.app.Server`) and `Built.attach_engine` wires it."""
+
+    peaks: HardwarePeaks
+    """The peaks each engine is judged against."""
+    pin_front_end: bool
+    """Move the front end and the engine core off the CPUs the engine's workers compute on (an engine on the CPU,
+    with --pin-front-end); after the peaks, which a probe measures on the whole machine."""
+    gpu_counters: GpmSampler | None
+    """NVML's measured counters of the engine's GPUs (None: on a CPU, or no GPU supports them); not sampling yet."""
+
+
 @dataclass
 class Built:
     """A server's parts, wired; the gRPC server is not started."""
@@ -148,6 +199,17 @@ class Built:
     started: float = field(default_factory=time.monotonic)
     aggregator: StepAggregator | None = None
 
+    def decide_for(self, engine: Engine) -> EngineDecisions:
+        """What a started engine brings beside its requests: the peaks it is judged against, where the front end
+        runs, its GPUs' measured counters. Blocking (a probe measures, NVML loads): the server calls it on a
+        worker thread."""
+        description = engine.description
+        return EngineDecisions(
+            peaks=judged_against(self.settings, description),
+            pin_front_end=description.on_cpu and self.settings.pin_front_end,
+            gpu_counters=None if description.on_cpu else gpm_sampler(self.model_name, environ=env_cuda_devices()),
+        )
+
     def attach_engine(
         self,
         engine: Engine,
@@ -155,26 +217,34 @@ class Built:
         *,
         steps_from: StepAggregator | None = None,
         recent: RecentLatencies | None = None,
+        gpu_counters: GpmSampler | None = None,
     ) -> StepAggregator:
         """Wire a started engine in: its steps judged against `peaks` (each engine's), its requests served.
 
         `steps_from`: the engine's steps are aggregated elsewhere already (the hub's, beside smg's Rust server),
-        with `recent` the latencies it keeps; this server reads them and aggregates none of its own."""
+        with `recent` the latencies it keeps; this server reads them and aggregates none of its own.
+        `gpu_counters`: its GPUs' measured counters, whose series are registered after the steps'."""
         description = engine.description
         aggregator = steps_from
         if aggregator is None:
             aggregator = step_aggregator(
                 self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
             )
-            StepMetrics(self.model_name, aggregator, self.registry)
+            step_metrics = StepMetrics(self.model_name, aggregator)
+            aggregator.add_sink(step_metrics)
+            self.registry.register(step_metrics)
             self.steps.attach(aggregator.record)
+        if gpu_counters is not None:
+            self.registry.register(gpu_counters)
         self.request_metrics.cost = description.cost  # what a prefix-cache hit saves, in FLOPs
-        self.path.interference = aggregator.interference.read
-        self.path.engine = engine
-        live = LiveTelemetry(aggregator, recent or self.recent, self.pipeline)
-        facts = ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started)
-        self.inference.attach_telemetry(facts, live)
-        self.engine_protocol.attach_telemetry(live)
+        self.path.attach(
+            Attached(
+                engine,
+                interference=aggregator.interference.read,
+                facts=ServerFacts(self.model_name, description.device, description.dtype, peaks, self.started),
+                telemetry=LiveTelemetry(aggregator, recent or self.recent, self.pipeline),
+            )
+        )
         self.aggregator = aggregator
         return aggregator
 
@@ -194,14 +264,16 @@ def build_server(
 ) -> Built:
     """Every part of a server for `settings`, its model served as `model_name`; with `engine` (and its `peaks`)
     the engine is attached too. `on_engine_dead` is awaited once when a request finds the engine dead."""
-    telemetry_errors = TelemetryErrors(model_name, registry)
+    telemetry_errors = TelemetryErrors(model_name)
+    registry.register(telemetry_errors)
     waits = FirstTokenWaits()
     pipeline = TelemetryPipeline(waits, on_error=telemetry_errors)
     # First: a registry collects in registration order, and a scrape hands on what is held before the series.
     registry.register(pipeline.scrape_hook())
     tracing = build_tracing(settings)
     recent = RecentLatencies()
-    request_metrics = PrometheusRequestObserver(registry, model_name)
+    request_metrics = PrometheusRequestObserver(model_name)
+    registry.register(request_metrics)
     direct: list[RequestObserver] = [tracing.observer] if tracing is not None else []
     records = ObserverGroup(direct, [request_metrics, recent], pipeline=pipeline, on_error=telemetry_errors)
     tokens = load_tokens(settings.auth_tokens_file, env_auth_tokens())

@@ -121,14 +121,18 @@ class HubTelemetry:
             )
             return
         model = facts.model_name
-        self.errors = errors = TelemetryErrors(model, self.registry)
-        request_metrics = PrometheusRequestObserver(self.registry, model)
+        self.errors = errors = TelemetryErrors(model)
+        self.registry.register(errors)
+        request_metrics = PrometheusRequestObserver(model)
+        self.registry.register(request_metrics)
         request_metrics.cost = facts.cost  # what a prefix-cache hit saves, in FLOPs
         requests = EngineSideRequests(model, (request_metrics, self.recent))
         aggregator = step_aggregator(
             settings, description, engine_peaks, (requests, self.recent), self.pipeline, errors
         )
-        StepMetrics(model, aggregator, self.registry)
+        step_metrics = StepMetrics(model, aggregator)
+        aggregator.add_sink(step_metrics)
+        self.registry.register(step_metrics)
         self.aggregator, self.description = aggregator, description
         # On the hub's own thread: no request path reads the engine's totals on the event loop here, and a scrape
         # hands on what is held under the pipeline's lock (one thread hop and one loop wake-up less per message).

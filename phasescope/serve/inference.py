@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from phasescope.engine.base import TokenLogprob
-from phasescope.errors import InvalidRequestError, NotReadyError, WatcherLimitError
+from phasescope.errors import InvalidRequestError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.path import Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import timings_message
@@ -31,7 +31,7 @@ from phasescope.serve.v1_requests import (
     deserialize_watch,
 )
 from phasescope.serve.validation import UndecodableRequest
-from phasescope.serve.watch import ServerFacts, TelemetrySource, build_snapshot, watch_options
+from phasescope.serve.watch import build_snapshot, watch_options
 from phasescope.v1 import inference_pb2 as pb
 
 logger = logging.getLogger(__name__)
@@ -88,14 +88,8 @@ class InferenceServicer:
 
     def __init__(self, path: RequestPath, *, max_watchers: int = 4) -> None:
         self._path = path
-        self._telemetry: tuple[ServerFacts, TelemetrySource] | None = None
         self._max_watchers = max_watchers
         self._watchers = 0
-
-    def attach_telemetry(self, facts: ServerFacts, source: TelemetrySource) -> None:
-        """What WatchTelemetry snapshots are made of, once the engine's figures exist
-        (`phasescope.serve.build.Built.attach_engine`)."""
-        self._telemetry = (facts, source)
 
     def start_draining(self) -> None:
         self._path.draining = True
@@ -179,16 +173,13 @@ class InferenceServicer:
         if isinstance(request, UndecodableRequest):
             raise InvalidRequestError(request.field, request.reason)
         options = watch_options(request)
-        self._path.ready_engine()
-        telemetry = self._telemetry
-        if telemetry is None:
-            raise NotReadyError("the engine's telemetry is still starting; retry in a moment")
+        attached = self._path.ready()
         if self._watchers >= self._max_watchers:
             raise WatcherLimitError(
                 f"{self._watchers} telemetry watchers already (--max-watchers {self._max_watchers}); "
                 "close one or retry later"
             )
-        facts, source = telemetry
+        facts, source = attached.facts, attached.telemetry
         self._watchers += 1
         try:
             rejected_before = source.rejected
@@ -215,10 +206,9 @@ class InferenceServicer:
             self._watchers -= 1
 
     async def GetModelInfo(self, request: pb.GetModelInfoRequest, context: ServicerContext) -> pb.ModelInfo:
-        d = self._path.ready_engine().description
-        if self._telemetry is None:
-            raise NotReadyError("the engine's figures are still starting; retry in a moment")
-        peaks = self._telemetry[0].peaks
+        attached = self._path.ready()
+        d = attached.engine.description
+        peaks = attached.facts.peaks
         bandwidth = peaks.memory_bandwidth_bytes_per_second
         flops = peaks.peak_flops(d.dtype)
         whole = d.cost.sharded(1, 1)

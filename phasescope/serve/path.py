@@ -35,6 +35,7 @@ from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import LifecycleDeps, RequestLifecycle
 from phasescope.serve.status import rejection_reason
 from phasescope.serve.validation import SamplingAsk, build_sampling, check_prompt_length, truncate_prompt
+from phasescope.serve.watch import ServerFacts, TelemetrySource
 from phasescope.telemetry.pipeline import FirstTokenWaits
 from phasescope.telemetry.request.observer import RequestObserver
 from phasescope.telemetry.request.phases import PhaseTimings, RequestParameters
@@ -120,6 +121,20 @@ async def _nothing() -> None:
     return None
 
 
+@dataclass(frozen=True)
+class Attached:
+    """A started engine wired in, in one step (`phasescope.serve.build.Built.attach_engine`): what every request
+    and both protocols' telemetry RPCs read from the path from then on."""
+
+    engine: Engine
+    interference: Callable[[int], Interference]
+    """An engine's running interference totals (its step aggregator's)."""
+    facts: ServerFacts
+    """What WatchTelemetry and GetModelInfo say of the server: the device, the dtype, the peaks."""
+    telemetry: TelemetrySource
+    """The engine-side figures WatchTelemetry, GetLoads and the KV-event stream's load records read."""
+
+
 class RequestPath:
     """What every request shares, whichever protocol it came in by: the engine, admission, the observers, the
     requests in flight (for WatchTelemetry, GetLoads and Abort)."""
@@ -151,14 +166,13 @@ class RequestPath:
         self._identify = identify
         self._on_engine_dead = on_engine_dead
         self._engine_death_told = False
-        self.engine: Engine | None = None
-        self.interference: Callable[[int], Interference] = lambda engine: NO_INTERFERENCE
-        """An engine's running interference totals (the step aggregator's, once it exists)."""
+        self.attached: Attached | None = None
+        """The engine and its telemetry, once started (`attach`); until then requests are refused as not ready."""
         self.draining = False
         self.in_flight: set[RequestLifecycle] = set()
         """Admitted requests, from their permit to their end."""
-        # What each request's lifecycle uses of the above: these objects, as held now (only `interference` is
-        # wired in later, so it is read when asked).
+        # What each request's lifecycle uses of the above: these objects, as held now (the interference comes
+        # with the engine, so it is read when asked).
         self._lifecycle_deps = LifecycleDeps(
             observer=self.observer,
             model_name=self.model_name,
@@ -172,19 +186,30 @@ class RequestPath:
             engine_died=self.engine_died,
         )
 
+    def attach(self, attached: Attached) -> None:
+        """The engine has started: requests run from now on. Once per path."""
+        if self.attached is not None:
+            raise RuntimeError("an engine is already attached to this request path")
+        self.attached = attached
+
     def _read_interference(self, engine: int) -> Interference:
-        return self.interference(engine)
+        attached = self.attached
+        return attached.interference(engine) if attached is not None else NO_INTERFERENCE
+
+    def ready(self) -> Attached:
+        """The engine and its telemetry, or the reason no request can run now."""
+        if self.draining:
+            raise NotReadyError("the server is shutting down and takes no new requests")
+        attached = self.attached
+        if attached is None:
+            raise NotReadyError("the engine is still starting; wait for the health service to say SERVING")
+        if attached.engine.is_dead:
+            raise EngineUnavailableError("the engine is dead; the server must be restarted")
+        return attached
 
     def ready_engine(self) -> Engine:
         """The engine, or the reason no request can run now."""
-        if self.draining:
-            raise NotReadyError("the server is shutting down and takes no new requests")
-        engine = self.engine
-        if engine is None:
-            raise NotReadyError("the engine is still starting; wait for the health service to say SERVING")
-        if engine.is_dead:
-            raise EngineUnavailableError("the engine is dead; the server must be restarted")
-        return engine
+        return self.ready().engine
 
     def caller(self, context: ServicerContext) -> str:
         """Who is asking, for the per-client limit (read only when that limit is on)."""
@@ -281,12 +306,12 @@ class RequestPath:
 
     async def abort(self, request_ids: set[str]) -> None:
         """Stop the abortable requests of these client ids in the engine (each then ends with "abort")."""
-        engine = self.engine
-        if engine is None:
+        attached = self.attached
+        if attached is None:
             return
         for request in list(self.in_flight):
             if request.abortable and request.request_id in request_ids and request.engine_request_id:
-                await engine.abort(request.engine_request_id)
+                await attached.engine.abort(request.engine_request_id)
 
 
 def check_kv_transfer(kv_transfer: KvTransfer | None, description: ModelDescription) -> None:

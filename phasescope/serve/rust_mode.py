@@ -322,8 +322,8 @@ class V1BesideRust:
             await asyncio.wait_for(built.path.admission.wait_idle(), timeout=self.settings.shutdown_grace_seconds)
         await built.grpc.stop(grace=1.0)
         built.pipeline.hand_on()
-        if built.path.engine is not None:
-            await built.path.engine.close()
+        if built.path.attached is not None:
+            await built.path.attached.engine.close()
         if built.tracing is not None:
             await asyncio.to_thread(built.tracing.provider.shutdown)
 

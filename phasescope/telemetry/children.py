@@ -11,7 +11,7 @@ from typing import TypeVar
 from prometheus_client import metrics
 from prometheus_client.core import CounterMetricFamily
 from prometheus_client.metrics import MetricWrapperBase
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import Collector
 
 M = TypeVar("M", bound=MetricWrapperBase)
 
@@ -65,13 +65,13 @@ class SumCounter(Collector):
     so a scrape reads it before or after, as it would a `Counter`'s.
     """
 
-    def __init__(self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry) -> None:
+    def __init__(self, name: str, documentation: str, labelnames: Sequence[str]) -> None:
+        """Registers nothing: whoever exports it registers it, or collects it as part of its own collector."""
         self.name = name
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._series: dict[tuple[str, ...], CounterSeries] = {}
         self._lock = threading.Lock()
-        registry.register(self)
 
     def labels(self, *values: str) -> CounterSeries:
         """The series of these label values, made at 0 on the first call."""

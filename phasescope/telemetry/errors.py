@@ -12,9 +12,11 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import Counter
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 LOG_INTERVAL_SECONDS = 60.0
 
@@ -46,10 +48,11 @@ def log_rate_limited(
     return True
 
 
-class TelemetryErrors:
-    """Counts and reports exceptions raised by telemetry code, per component."""
+class TelemetryErrors(Collector):
+    """Counts and reports exceptions raised by telemetry code, per component: a collector whoever wires it
+    registers (phasescope.serve.build)."""
 
-    def __init__(self, model: str, registry: CollectorRegistry) -> None:
+    def __init__(self, model: str) -> None:
         self._model = model
         self._logger = logging.getLogger("telemetry")
         self.errors = Counter(
@@ -57,10 +60,16 @@ class TelemetryErrors:
             "Exceptions raised inside telemetry code and contained there (no request failed for them), "
             "per component: step = the engine's per-step stats, observer = a per-request observer.",
             ["model", "component"],
-            registry=registry,
+            registry=None,
         )
         for component in ("step", "observer"):
             self.errors.labels(model, component)
+
+    def describe(self) -> Iterable[Metric]:
+        return self.errors.describe()
+
+    def collect(self) -> Iterable[Metric]:
+        return self.errors.collect()
 
     def __call__(self, component: str, exc: BaseException) -> None:
         """Record one contained exception; never raises."""

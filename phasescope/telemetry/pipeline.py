@@ -22,9 +22,12 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Iterator
+from typing import TypeVarTuple
 
 from prometheus_client.metrics_core import Metric
 from prometheus_client.registry import Collector
+
+Args = TypeVarTuple("Args")
 
 DEFAULT_BATCH = 96
 """Reports held before they are handed on (about one engine step of a full batch's records and reports)."""
@@ -80,6 +83,7 @@ class TelemetryPipeline:
         self._batch = max(1, batch)
         self._longest_wait = longest_wait_seconds
         self.on_error = on_error
+        # Each call was checked against its arguments where `hold` was called; held, they are only delivered.
         self._held: list[tuple[Callable[..., None], tuple[object, ...]]] = []
         self._lock = threading.Lock()
         # One delivery at a time (the event loop's, a scrape's), so reports arrive in the order they came.
@@ -91,8 +95,8 @@ class TelemetryPipeline:
         """Reports held now."""
         return len(self._held)
 
-    def hold(self, deliver: Callable[..., None], *args: object) -> None:
-        """Hold `deliver(*args)` until the batch is handed on."""
+    def hold(self, deliver: Callable[[*Args], None], *args: *Args) -> None:
+        """Hold `deliver(*args)` until the batch is handed on (`deliver` a declared method, bound: no names)."""
         with self._lock:
             self._held.append((deliver, args))
             full = len(self._held) >= self._batch and not self._scheduled

@@ -44,7 +44,6 @@ from phasescope.serve.engine_protocol.requests import decode_generate
 from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, decoder
-from phasescope.serve.watch import TelemetrySource
 from phasescope.telemetry.step.aggregator import EngineView
 
 SERVICE_NAME: str = pb.DESCRIPTOR.services_by_name["VllmEngine"].full_name
@@ -60,14 +59,9 @@ class VllmEngineServicer:
         self._path = path
         self._started = time.time() if started is None else started
         self._last_receive = 0.0
-        self._telemetry: TelemetrySource | None = None
         self._load_views: tuple[float, list[EngineView]] | None = None
         """When the KV-event stream's load record last read the views, and what it read."""
         self._tokenizer: TokenizerBundle | None = None
-
-    def attach_telemetry(self, source: TelemetrySource) -> None:
-        """Where GetLoads reads the engine's figures, once they exist (`phasescope.serve.build.Built.attach_engine`)."""
-        self._telemetry = source
 
     async def Generate(
         self, request: pb.GenerateRequest | UndecodableRequest, context: ServicerContext
@@ -126,9 +120,9 @@ class VllmEngineServicer:
         )
 
     async def GetLoads(self, request: pb.GetLoadsRequest, context: ServicerContext) -> pb.GetLoadsResponse:
-        engine = self._path.ready_engine()
-        telemetry = self._telemetry
-        views = telemetry.views()[1] if telemetry is not None else []
+        attached = self._path.ready()
+        engine = attached.engine
+        views = attached.telemetry.views()[1]
         loads = scheduler_loads(engine.description, views, self._path.in_flight)
         if request.HasField("dp_rank"):
             loads = [load for load in loads if load.dp_rank == request.dp_rank]
@@ -216,12 +210,12 @@ class VllmEngineServicer:
         with the window's speculative decoding; None before the telemetry is attached. Under load a batch goes out
         every engine step, and reading the window computes its figures and hands the held telemetry on: the views
         are read at most once per relay tick, and the record's `age_ms` says how old they are."""
-        telemetry = self._telemetry
-        if telemetry is None:
+        attached = self._path.attached
+        if attached is None:
             return None
         now = time.monotonic()
         if self._load_views is None or now - self._load_views[0] >= LOAD_TICK:
-            self._load_views = (now, telemetry.views()[1])
+            self._load_views = (now, attached.telemetry.views()[1])
         read_at, views = self._load_views
         record = engine_load(self._path.ready_engine().description, views, self._path.in_flight, dp_rank)
         if record is not None:

@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
-from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -230,6 +229,11 @@ class GpmSampler(Collector):
 
     def start(self) -> None:
         self._thread.start()
+        logger.info(
+            "sampling NVML GPM counters of GPUs %s every %.1f s",
+            ", ".join(f"{device.cuda_index} ({device.uuid})" for device in self._devices),
+            self._interval,
+        )
 
     def close(self) -> None:
         self._stop.set()
@@ -339,15 +343,15 @@ class GpmSampler(Collector):
                 yield family
 
 
-def start_gpu_counters(
-    registry: CollectorRegistry,
+def gpm_sampler(
     model: str,
     interval_seconds: float = 1.0,
     nvml: Any | None = None,
     environ: Mapping[str, str] | None = None,
     clock: Callable[[], float] = time.monotonic,
 ) -> GpmSampler | None:
-    """Start sampling the engine's GPUs that support GPM; None (and no series) when none does.
+    """A sampler of the engine's GPUs that support GPM, not yet started nor registered; None (and no series) when
+    none does.
 
     `environ` holds the engine's CUDA_VISIBLE_DEVICES and CUDA_DEVICE_ORDER (the server passes
     phasescope.environment.env_cuda_devices(); none: every GPU, in PCI order).
@@ -363,12 +367,4 @@ def start_gpu_counters(
     if not devices:
         logger.info("none of the engine's GPUs supports NVML GPM (Hopper or newer needed): measured counters are off")
         return None
-    sampler = GpmSampler(nvml, devices, model, interval_seconds, clock)
-    registry.register(sampler)
-    sampler.start()
-    logger.info(
-        "sampling NVML GPM counters of GPUs %s every %.1f s",
-        ", ".join(f"{device.cuda_index} ({device.uuid})" for device in devices),
-        interval_seconds,
-    )
-    return sampler
+    return GpmSampler(nvml, devices, model, interval_seconds, clock)

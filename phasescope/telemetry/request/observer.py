@@ -14,7 +14,7 @@ current when its request ends) get them at once.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Protocol
+from typing import Protocol, TypeVar, TypeVarTuple
 
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
@@ -37,6 +37,10 @@ class RequestObserver(Protocol):
         """A request was refused before it reached the engine."""
 
 
+R = TypeVar("R", FirstTokenRecord, PhaseRecord)
+Args = TypeVarTuple("Args")
+
+
 def _ignore(component: str, exc: BaseException) -> None:
     """Where contained errors go when nobody counts them."""
 
@@ -45,7 +49,8 @@ class ObserverGroup:
     """Fans every call out to several observers; one failing does not stop the others or the request.
 
     The records of the `batched` observers wait in `pipeline` (when there is one); `direct` observers get
-    every call at once."""
+    every call at once. Each observer is called through the method `RequestObserver` declares, bound once here;
+    the pipeline holds the batched observers' bound methods with the record they are handed."""
 
     def __init__(
         self,
@@ -56,43 +61,49 @@ class ObserverGroup:
         on_error: Callable[[str, BaseException], None] = _ignore,
     ) -> None:
         """`on_error` receives each contained exception (phasescope.telemetry.errors.TelemetryErrors counts them)."""
-        self._direct = tuple(direct)
-        self._batched = tuple(batched)
-        self._all = (*self._direct, *self._batched)
-        # Called for every step of every request: each observer's method, looked up once.
-        self._token_counters = tuple(observer.tokens_generated for observer in self._all)
+        direct, batched = tuple(direct), tuple(batched)
+        every = (*direct, *batched)
+        self._started = tuple(observer.request_started for observer in every)
+        self._first_token_now = tuple(observer.request_first_token for observer in direct)
+        self._first_token_held = tuple(observer.request_first_token for observer in batched)
+        # Called for every step of every request.
+        self._tokens = tuple(observer.tokens_generated for observer in every)
+        self._finished_now = tuple(observer.request_finished for observer in direct)
+        self._finished_held = tuple(observer.request_finished for observer in batched)
+        self._rejected = tuple(observer.request_rejected for observer in every)
         self._pipeline = pipeline
         self._on_error = on_error
 
-    def _call(self, observers: tuple[RequestObserver, ...], method: str, *args: object) -> None:
-        for observer in observers:
+    def _deliver(self, calls: tuple[Callable[[*Args], None], ...], *args: *Args) -> None:
+        """Each call with `args`; one that raises goes to `on_error` and costs that observer only."""
+        for call in calls:
             try:
-                getattr(observer, method)(*args)
+                call(*args)
             except Exception as exc:
                 self._on_error("observer", exc)
 
-    def _record(self, method: str, record: object) -> None:
-        self._call(self._direct, method, record)
+    def _record(self, now: tuple[Callable[[R], None], ...], held: tuple[Callable[[R], None], ...], record: R) -> None:
+        self._deliver(now, record)
         if self._pipeline is None:
-            self._call(self._batched, method, record)
-        elif self._batched:
-            self._pipeline.hold(self._call, self._batched, method, record)
+            self._deliver(held, record)
+        elif held:
+            self._pipeline.hold(self._deliver, held, record)
 
     def request_started(self, model: str) -> None:
-        self._call(self._all, "request_started", model)
+        self._deliver(self._started, model)
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
-        self._record("request_first_token", record)
+        self._record(self._first_token_now, self._first_token_held, record)
 
     def tokens_generated(self, model: str, count: int) -> None:
-        for count_tokens in self._token_counters:
+        for count_tokens in self._tokens:
             try:
                 count_tokens(model, count)
             except Exception as exc:
                 self._on_error("observer", exc)
 
     def request_finished(self, record: PhaseRecord) -> None:
-        self._record("request_finished", record)
+        self._record(self._finished_now, self._finished_held, record)
 
     def request_rejected(self, model: str, reason: str) -> None:
-        self._call(self._all, "request_rejected", model, reason)
+        self._deliver(self._rejected, model, reason)

@@ -1,6 +1,6 @@
 """Prometheus implementation of `RequestObserver`: per-request phase figures.
 
-Every metric is registered in the registry passed in, so tests use a private
+The observer is one collector, registered where the server is wired, so tests register it in a private
 `CollectorRegistry`. Names start with `phasescope_` and never contain "vllm"
 (vLLM's `unregister_vllm_metrics()` drops any collector whose name does).
 Labels stay bounded: model, phase, code, finish reason, rejection reason.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -57,11 +57,10 @@ class TokenCounts(Collector):
     adds (one writer); a scrape reads a copy of the totals, made in one step, and every total it
     reads is one the loop had reached, so the series never goes down."""
 
-    def __init__(self, registry: CollectorRegistry, documentation: str) -> None:
+    def __init__(self, documentation: str) -> None:
         self.prefill: dict[str, int] = {}
         self.decode: dict[str, int] = {}
         self._documentation = documentation
-        registry.register(self)
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily("phasescope_tokens", self._documentation, labels=["model", "phase"])
@@ -71,16 +70,18 @@ class TokenCounts(Collector):
         yield family
 
 
-class PrometheusRequestObserver:
-    def __init__(self, registry: CollectorRegistry, model: str | None = None) -> None:
-        """With `model`, the series the TTFT SLO adds together exist from the start (at 0), so
-        its expression evaluates before the first request has missed or even run."""
+class PrometheusRequestObserver(Collector):
+    """The request series: one collector, registered by whoever wires it (phasescope.serve.build)."""
+
+    def __init__(self, model: str | None = None) -> None:
+        """Makes its series and registers nothing. With `model`, the series the TTFT SLO adds together exist from
+        the start (at 0), so its expression evaluates before the first request has missed or even run."""
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             _PHASE_HELP,
             ["model", "phase"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.time_to_first_token_seconds = Histogram(
             "phasescope_time_to_first_token_seconds",
@@ -88,21 +89,21 @@ class PrometheusRequestObserver:
             "its first token. Requests that ended before one are in phasescope_requests_without_first_token_total.",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.prefix_cache_tokens = Counter(
             "phasescope_prefix_cache_hit_tokens",
             "Prompt tokens the prefix cache served instead of prefill computing them, counted at each sequence's "
             'first token (prefill computed the rest: phasescope_tokens_total{phase="prefill"}).',
             ["model"],
-            registry=registry,
+            registry=None,
         )
         self.prefix_cache_flops = Counter(
             "phasescope_prefix_cache_saved_flops",
             "FLOPs on each device the prefix cache saved: the cost model's prefill of the tokens it served "
             "(phasescope_model_flops_total counts only what prefill computed).",
             ["model"],
-            registry=registry,
+            registry=None,
         )
         self.cost: ModelCost | None = None
         """The served model's cost, once the engine is up (the saved FLOPs need it)."""
@@ -113,21 +114,21 @@ class PrometheusRequestObserver:
             "of all requests this is the wait on grammar compilation (a schema compiled before is cached).",
             ["model", "constraint"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.client_time_to_first_token_seconds = Histogram(
             "phasescope_client_time_to_first_token_seconds",
             "First chunk written to the client - handler entry, per streaming request.",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.request_duration_seconds = Histogram(
             "phasescope_request_duration_seconds",
             "Last token - handler entry (end-to-end latency), per request that produced a token.",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.decode_stalled_seconds = Histogram(
             "phasescope_decode_prefill_stall_seconds",
@@ -135,7 +136,7 @@ class PrometheusRequestObserver:
             "prefill chunks (0 for a request that decoded alone).",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.decode_interference_seconds = Histogram(
             "phasescope_decode_prefill_interference_seconds",
@@ -143,17 +144,16 @@ class PrometheusRequestObserver:
             "(each such step's time - a decode-only step of the same batch on that engine).",
             ["model"],
             buckets=REQUEST_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.without_first_token = Counter(
             "phasescope_requests_without_first_token",
             "Admitted requests that ended before their first token (cancelled, deadline, failure), "
             "by gRPC status code: the time-to-first-token SLO counts each as a miss.",
             ["model", "code"],
-            registry=registry,
+            registry=None,
         )
         self.tokens = TokenCounts(
-            registry,
             "Tokens per phase, counted as they happen: prefill = prompt tokens computed (prefix-cache hits "
             "excluded), at the first token; decode = output tokens, as they stream.",
         )
@@ -162,40 +162,67 @@ class PrometheusRequestObserver:
             "phasescope_requests",
             "Admitted requests that ended, by gRPC status code and finish reason.",
             ["model", "code", "finish_reason"],
-            registry=registry,
+            registry=None,
         )
         self.requests_in_flight = Gauge(
             "phasescope_requests_in_flight",
             "Admitted requests not yet ended (running in the engine or waiting in its queue).",
             ["model"],
-            registry=registry,
+            registry=None,
         )
         self.kv_transfer_tokens = Counter(
             "phasescope_kv_transfer_tokens",
             "Prompt tokens whose KV cache the worker's KV connector moved, by direction: loaded (computed by "
             "another worker: vLLM's external_kv_transfer source) or saved (computed here for another).",
             ["model", "direction"],
-            registry=registry,
+            registry=None,
         )
         self.kv_transfer_bytes = Counter(
             "phasescope_kv_transfer_bytes",
             "KV cache bytes the worker's KV connector moved for requests, both directions.",
             ["model"],
-            registry=registry,
+            registry=None,
         )
         self.requests_rejected = Counter(
             "phasescope_requests_rejected",
             "Requests refused before reaching the engine, by reason.",
             ["model", "reason"],
-            registry=registry,
+            registry=None,
         )
         self._child = Children()
+        # What `collect` yields, in this order.
+        self._series: tuple[Collector, ...] = (
+            self.phase_seconds,
+            self.time_to_first_token_seconds,
+            self.prefix_cache_tokens,
+            self.prefix_cache_flops,
+            self.structured_queue_seconds,
+            self.client_time_to_first_token_seconds,
+            self.request_duration_seconds,
+            self.decode_stalled_seconds,
+            self.decode_interference_seconds,
+            self.without_first_token,
+            self.tokens,
+            self.requests,
+            self.requests_in_flight,
+            self.kv_transfer_tokens,
+            self.kv_transfer_bytes,
+            self.requests_rejected,
+        )
         if model is not None:
             self.time_to_first_token_seconds.labels(model)
             self.decode_stalled_seconds.labels(model)
             self.decode_interference_seconds.labels(model)
             for code in _UNANSWERED_CODES:
                 self.without_first_token.labels(model, code)
+
+    def describe(self) -> Iterator[Metric]:
+        """Every family it exports, by name, for a registry's checks and its filtered scrapes (`name[]`)."""
+        return self.collect()
+
+    def collect(self) -> Iterator[Metric]:
+        for series in self._series:
+            yield from series.collect()
 
     def request_started(self, model: str) -> None:
         self._child(self.requests_in_flight, model).inc()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Gauge, Histogram
+from prometheus_client import Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -36,7 +36,9 @@ class StepMetrics(StepSink, Collector):
     """The aggregated steps as Prometheus series: counters as each report arrives, the window's
     gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
-    def __init__(self, model: str, steps: StepAggregator, registry: CollectorRegistry) -> None:
+    def __init__(self, model: str, steps: StepAggregator) -> None:
+        """Makes its series and registers nothing: the server registers it in its registry (one collector, its
+        series in the order made here) and adds it to `steps`' sinks (`phasescope.serve.build`)."""
         self._model = model
         self._steps = steps
         self._peaks = steps.peaks
@@ -49,92 +51,78 @@ class StepMetrics(StepSink, Collector):
             "one, else the cost model's: 2 × active parameters per token + attention); mixed steps split in the "
             "cost model's proportion.",
             labels,
-            registry=registry,
         )
         self.bytes_read = SumCounter(
             "phasescope_model_read_bytes",
             "Modelled bytes the engine's steps read from device memory, per phase (weights once per step + KV cache); "
             "in a mixed step decode pays the weights and its own KV, the prefill chunk only what it adds.",
             labels,
-            registry=registry,
         )
         self.written_bytes = SumCounter(
             "phasescope_model_written_bytes",
             "Modelled bytes the engine's steps wrote to device memory (new KV entries), per phase; in a mixed step "
             "decode pays its tokens' KV, the prefill chunk the rest.",
             labels,
-            registry=registry,
         )
         self.busy_seconds = SumCounter(
             "phasescope_engine_busy_seconds",
             "Seconds the engine spent executing steps, per phase (mixed steps split by each phase's roofline time).",
             labels,
-            registry=registry,
         )
         self.step_tokens = SumCounter(
             "phasescope_engine_step_tokens",
             "Tokens the engine's steps processed, per phase, as the engine scheduled them (prefill chunks and "
             "recomputation after preemption count as prefill).",
             labels,
-            registry=registry,
         )
         self.steps = SumCounter(
             "phasescope_engine_steps",
             "Engine steps by kind: prefill (prompt chunks only), decode (decodes only), mixed (both).",
             ["model", "engine", "kind"],
-            registry=registry,
         )
         self.telemetry_dropped_reports = SumCounter(
             "phasescope_engine_telemetry_dropped_reports",
             "Step reports an engine core's publisher dropped rather than wait (its queue full, or the hub slow or "
             "gone): steps missing from every phasescope series.",
             ["model", "engine"],
-            registry=registry,
         )
         self.telemetry_hook_seconds = SumCounter(
             "phasescope_engine_telemetry_hook_seconds",
             "Time the engine loop spent in phasescope's step accounting (building and queueing each step's "
             "report); ÷ phasescope_engine_telemetry_hook_calls_total is its cost per step.",
             ["model", "engine"],
-            registry=registry,
         )
         self.telemetry_hook_calls = SumCounter(
             "phasescope_engine_telemetry_hook_calls",
             "Engine-core steps phasescope's step accounting ran for (steps that scheduled nothing included).",
             ["model", "engine"],
-            registry=registry,
         )
         self.preemptions = SumCounter(
             "phasescope_preemptions",
             "Requests the engine preempted (KV cache full): each recomputes its tokens when resumed.",
             ["model", "engine"],
-            registry=registry,
         )
         self.speculative_drafts = SumCounter(
             "phasescope_speculative_drafts",
             "Drafts the engine verified (one per sequence per verify step), under speculative decoding.",
             ["model", "engine"],
-            registry=registry,
         )
         self.speculative_drafted_tokens = SumCounter(
             "phasescope_speculative_drafted_tokens",
             "Tokens the drafter proposed and the engine verified (vllm:spec_decode_num_draft_tokens).",
             ["model", "engine"],
-            registry=registry,
         )
         self.speculative_accepted_tokens = SumCounter(
             "phasescope_speculative_accepted_tokens",
             "Drafted tokens the verification accepted (vllm:spec_decode_num_accepted_tokens); acceptance rate = "
             "accepted ÷ drafted, mean acceptance length = 1 + accepted ÷ drafts.",
             ["model", "engine"],
-            registry=registry,
         )
         self.speculative_accepted_by_position = SumCounter(
             "phasescope_speculative_accepted_tokens_by_position",
             "Drafted tokens accepted at each draft position (0: the first drafted token); ÷ drafts is that "
             "position's acceptance.",
             ["model", "engine", "position"],
-            registry=registry,
         )
         self.inter_token_latency_seconds = Histogram(
             "phasescope_inter_token_latency_seconds",
@@ -142,20 +130,20 @@ class StepMetrics(StepSink, Collector):
             "timestamps (vLLM's per-step values), whatever the front end coalesced into one chunk.",
             ["model"],
             buckets=INTER_TOKEN_SECONDS_BUCKETS,
-            registry=registry,
+            registry=None,
         )
         self.engine_requests = Gauge(
             "phasescope_engine_requests",
             "Requests in the engine's scheduler: running (in the batch), waiting (queued for a slot) or deferred "
             "(queued but held back until their structured output's grammar is compiled).",
             ["model", "engine", "state"],
-            registry=registry,
+            registry=None,
         )
         self.kv_cache_usage = Gauge(
             "phasescope_kv_cache_usage_ratio",
             "Share of the engine's KV-cache blocks in use (1 = full: new sequences wait or are preempted).",
             ["model", "engine"],
-            registry=registry,
+            registry=None,
         )
         for engine in range(engines):
             for state in ("running", "waiting", "deferred"):
@@ -171,8 +159,26 @@ class StepMetrics(StepSink, Collector):
         self._last_publisher: dict[int, PublisherHealth] = {}
         # Each (engine, phase)'s series of flops, bytes_read, written_bytes, busy_seconds and step_tokens.
         self._phase_series: dict[tuple[str, str], tuple[CounterSeries, ...]] = {}
-        registry.register(self)
-        steps.add_sink(self)
+        # What `collect` yields before the window's figures, in this order.
+        self._series: tuple[Collector, ...] = (
+            self.flops,
+            self.bytes_read,
+            self.written_bytes,
+            self.busy_seconds,
+            self.step_tokens,
+            self.steps,
+            self.telemetry_dropped_reports,
+            self.telemetry_hook_seconds,
+            self.telemetry_hook_calls,
+            self.preemptions,
+            self.speculative_drafts,
+            self.speculative_drafted_tokens,
+            self.speculative_accepted_tokens,
+            self.speculative_accepted_by_position,
+            self.inter_token_latency_seconds,
+            self.engine_requests,
+            self.kv_cache_usage,
+        )
 
     def queue(self, state: SchedulerState) -> None:
         if self._last_queue.get(state.engine) == state:
@@ -233,8 +239,15 @@ class StepMetrics(StepSink, Collector):
             for position, accepted in enumerate(speculative.accepted_by_position):
                 self.speculative_accepted_by_position.inc(accepted, model, engine, str(position))
 
+    def describe(self) -> Iterator[Metric]:
+        """Every family it exports, by name, for a registry's checks and its filtered scrapes (`name[]`): what a
+        scrape collects now (a registry that describes automatically reads the same)."""
+        return self.collect()
+
     def collect(self) -> Iterator[Metric]:
         self._steps.hand_on()
+        for series in self._series:
+            yield from series.collect()
         window_of_steps = self._steps.window
         phases, devices = window_of_steps.figures()
         window = f"over the last {window_of_steps.window_seconds:g} s of engine steps"

@@ -12,12 +12,14 @@ from typing import Any
 
 import grpc
 import pytest
+from prometheus_client import CollectorRegistry
 
-from phasescope.client.client import build_request
+from phasescope.client.client import AsyncClient, build_request
 from phasescope.errors import EngineUnavailableError
+from phasescope.serve.build import build_server
 from phasescope.v1 import inference_pb2 as pb
 from support.fake_engine import Script, ScriptedEngine
-from support.served import Served, eventually, served
+from support.served import MODEL, PEAKS, Served, eventually, served, settings
 
 
 async def test_a_stream_returns_each_step_then_usage_and_timings() -> None:
@@ -318,3 +320,22 @@ async def test_model_info_reports_the_peaks_each_engine_is_judged_against() -> N
     assert info.ridge_point_flops_per_byte == 10
     assert info.peak_source == "flag"
     assert info.flops_per_token == 2e6
+
+
+async def test_until_the_engine_is_attached_requests_are_refused_as_not_ready_then_served() -> None:
+    registry = CollectorRegistry()
+    built = build_server(settings(), MODEL, registry=registry)
+    port = built.grpc.add_insecure_port("127.0.0.1:0")
+    await built.grpc.start()
+    try:
+        async with AsyncClient(f"127.0.0.1:{port}", timeout_seconds=10) as client:
+            for refused in (client.generate(build_request(prompt="x", max_tokens=2)), client.model_info()):
+                with pytest.raises(grpc.aio.AioRpcError) as caught:
+                    await refused
+                assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+                assert "the engine is still starting" in (caught.value.details() or "")
+            engine = ScriptedEngine(lambda prompt: Script(tokens=[1, 2]))
+            built.attach_engine(engine, PEAKS)
+            assert (await client.generate(build_request(prompt="x", max_tokens=2))).usage.completion_tokens == 2
+    finally:
+        await built.grpc.stop(grace=None)

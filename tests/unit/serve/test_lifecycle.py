@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
+from collections.abc import Callable
 
 import pytest
 
@@ -12,11 +13,16 @@ from phasescope.engine.base import EngineStep
 from phasescope.errors import InvalidRequestError, OverloadedError
 from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import RequestLifecycle
-from phasescope.serve.path import RequestPath, new_engine_request_id
+from phasescope.serve.path import Attached, RequestPath, new_engine_request_id
+from phasescope.serve.watch import ServerFacts
+from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.live import LatencyFigures
 from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
 from phasescope.telemetry.request.observer import ObserverGroup
 from phasescope.telemetry.request.phases import EngineTimestamps, FirstTokenRecord, PhaseRecord, RequestParameters
+from phasescope.telemetry.step.aggregator import EngineView
 from phasescope.telemetry.step.interference import Interference
+from support.fake_engine import ScriptedEngine
 
 
 class Recorder:
@@ -77,6 +83,27 @@ def step(tokens: int, *, finished: bool = False, first_token: bool = True) -> En
 
 def path(recorder: Recorder, capacity: int = 4) -> RequestPath:
     return RequestPath(recorder, Admission(capacity, 0), "tiny")
+
+
+class NoFigures:
+    """Engine-side figures nobody reads here."""
+
+    def views(self) -> tuple[float, list[EngineView]]:
+        return 0.0, []
+
+    def latencies(self, window_seconds: float) -> LatencyFigures:
+        raise AssertionError("no latencies are read here")
+
+    @property
+    def rejected(self) -> int:
+        return 0
+
+
+def attach(requests: RequestPath, interference: Callable[[int], Interference]) -> None:
+    """A scripted engine attached, its interference totals read from `interference`."""
+    engine = ScriptedEngine()
+    facts = ServerFacts("tiny", "cpu", "float32", HardwarePeaks("cpu", 1e10, {"fp32": 1e11}, "flag"), 0.0)
+    requests.attach(Attached(engine, interference, facts, NoFigures()))
 
 
 def hand(request: RequestLifecycle) -> None:
@@ -268,7 +295,7 @@ async def test_an_engine_that_stamps_only_at_the_end_has_its_decode_interference
     # is still what the engine's totals moved between the sample's first token and its end.
     totals = iter([Interference(stalled_seconds=1.0, extra_seconds=0.5), Interference(3.0, 1.25)])
     requests = path(Recorder())
-    requests.interference = lambda engine: next(totals)
+    attach(requests, lambda engine: next(totals))
     async with requests.begin(True, Deadline()) as request, request.admitted(""):
         hand(request)
         request.took(dataclasses.replace(step(1), stamps=None))
@@ -284,7 +311,14 @@ async def test_the_interference_source_wired_into_the_path_later_is_the_one_its_
     async with requests.begin(True, Deadline()) as request, request.admitted(""):
         hand(request)
         totals = iter([Interference(1.0, 0.5), Interference(3.0, 1.25)])
-        requests.interference = lambda engine: next(totals)
+        attach(requests, lambda engine: next(totals))
         request.took(step(1))
         request.took(step(2, finished=True))
     assert request.interference == Interference(2.0, 0.75)
+
+
+def test_an_engine_is_attached_to_a_path_once() -> None:
+    requests = path(Recorder())
+    attach(requests, lambda engine: Interference())
+    with pytest.raises(RuntimeError, match="already attached"):
+        attach(requests, lambda engine: Interference())

@@ -54,7 +54,8 @@ class Stamped(Collector):
 class Served:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
-        self.observer = PrometheusRequestObserver(self.registry, "tiny")
+        self.observer = PrometheusRequestObserver("tiny")
+        self.registry.register(self.observer)
         registry = self.registry
         self.observer.request_started("tiny")
         self.observer.tokens_generated("tiny", 7)
@@ -63,7 +64,9 @@ class Served:
         steps = StepAggregator(
             COST, "float32", PEAKS, window_seconds=10.0, clock=lambda: 1000.0
         )  # still: the gauges stay
-        StepMetrics("tiny", steps, registry)
+        step_metrics = StepMetrics("tiny", steps)
+        steps.add_sink(step_metrics)
+        registry.register(step_metrics)
         steps.record(StepReport(scheduler=SchedulerState(0, 3, 1, 0.25)))
         steps.record(StepReport(step=StepRecord(0, 1, 200, 3, 3, 0.04)))
         steps.record(StepReport(step=StepRecord(0, 0, 0, 3, 3, 0.02)))
@@ -156,7 +159,9 @@ def test_a_filtered_scrape_counts_the_held_step_reports() -> None:
     pipeline = TelemetryPipeline(batch=96)
     registry.register(pipeline.scrape_hook())
     aggregator = StepAggregator(COST, "float32", PEAKS, pipeline=pipeline)
-    StepMetrics("tiny", aggregator, registry)
+    step_metrics = StepMetrics("tiny", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     for _ in range(5):
         aggregator.record(StepReport(step=StepRecord(0, 0, 0, 2, 2, 0.01)))
     server, _ = start_metrics_server(0, "127.0.0.1", registry)

@@ -128,7 +128,9 @@ async def test_a_scrape_counts_the_records_held_before_it() -> None:
     registry = CollectorRegistry()
     pipeline = TelemetryPipeline(batch=1000)
     registry.register(pipeline.scrape_hook())
-    group = ObserverGroup(batched=[PrometheusRequestObserver(registry)], pipeline=pipeline)
+    request_metrics = PrometheusRequestObserver()
+    registry.register(request_metrics)
+    group = ObserverGroup(batched=[request_metrics], pipeline=pipeline)
     one_request(group)
     assert pipeline.held == 2  # the first token's record and the end's; the rest went at once
     # The registry collects the hook first: a reader sees the request whole.
@@ -166,10 +168,13 @@ async def test_a_batched_observer_that_fails_costs_its_own_figures_only() -> Non
         def request_finished(self, record: PhaseRecord) -> None:
             raise RuntimeError("broken")
 
-    errors = TelemetryErrors(MODEL, registry)
+    errors = TelemetryErrors(MODEL)
+    registry.register(errors)
     pipeline = TelemetryPipeline(batch=1000, on_error=errors)
     registry.register(pipeline.scrape_hook())
-    group = ObserverGroup(batched=[Broken(), PrometheusRequestObserver(registry)], pipeline=pipeline, on_error=errors)
+    request_metrics = PrometheusRequestObserver()
+    registry.register(request_metrics)
+    group = ObserverGroup(batched=[Broken(), request_metrics], pipeline=pipeline, on_error=errors)
     one_request(group)
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 1
     failures = {"model": MODEL, "component": "observer"}
@@ -196,7 +201,9 @@ async def test_a_scrape_from_another_thread_while_requests_end_loses_no_record()
     registry = CollectorRegistry()
     pipeline = TelemetryPipeline(batch=96)
     registry.register(pipeline.scrape_hook())
-    group = ObserverGroup(batched=[PrometheusRequestObserver(registry)], pipeline=pipeline)
+    request_metrics = PrometheusRequestObserver()
+    registry.register(request_metrics)
+    group = ObserverGroup(batched=[request_metrics], pipeline=pipeline)
     stop = threading.Event()
 
     def scrape() -> None:

@@ -12,7 +12,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.telemetry.hardware import gpu_counters
-from phasescope.telemetry.hardware.gpu_counters import GpmSampler, engine_gpus, gpm_capable, start_gpu_counters
+from phasescope.telemetry.hardware.gpu_counters import GpmSampler, engine_gpus, gpm_capable, gpm_sampler
 
 DRAM = "phasescope_gpu_dram_bandwidth_utilization_ratio"
 TENSOR = "phasescope_gpu_tensor_active_ratio"
@@ -167,8 +167,10 @@ def sampler_of(nvml: FakeNvml, environ: dict[str, str], interval_seconds: float 
 def test_supported_gpu_exports_measured_ratios() -> None:
     registry = CollectorRegistry()
     nvml = FakeNvml({10: 83.0, 5: 12.5, 2: 40.0})
-    sampler = start_gpu_counters(registry, "m", interval_seconds=0.01, nvml=nvml, environ={})
+    sampler = gpm_sampler("m", interval_seconds=0.01, nvml=nvml, environ={})
     assert sampler is not None
+    registry.register(sampler)
+    sampler.start()
     wait_for_samples(registry)
     sampler.close()
     assert sample(registry, DRAM) == 0.83
@@ -184,8 +186,10 @@ def test_supported_gpu_exports_measured_ratios() -> None:
 def test_a_metric_whose_return_code_fails_is_absent_not_zero() -> None:
     registry = CollectorRegistry()
     nvml = FakeNvml({10: 50.0, 5: 1.0, 2: 2.0}, frozenset({5}))
-    sampler = start_gpu_counters(registry, "m", 0.01, nvml=nvml, environ={})
+    sampler = gpm_sampler("m", 0.01, nvml=nvml, environ={})
     assert sampler is not None
+    registry.register(sampler)
+    sampler.start()
     wait_for_samples(registry)
     sampler.close()
     assert sample(registry, DRAM) == 0.5
@@ -287,10 +291,10 @@ def test_a_mig_instance_is_sampled_through_its_parent_with_the_mig_call() -> Non
     parent = FakeGpu("GPU-parent", bus=1, migs=[("MIG-first", 1), ("MIG-second", 5)])
     nvml = FakeNvml({10: 45.0}, gpus=[parent, FakeGpu("GPU-other", bus=2)])
     registry = CollectorRegistry()
-    sampler = start_gpu_counters(
-        registry, "m", 0.01, nvml=nvml, environ={"CUDA_VISIBLE_DEVICES": "MIG-second"}, clock=time.monotonic
-    )
+    sampler = gpm_sampler("m", 0.01, nvml=nvml, environ={"CUDA_VISIBLE_DEVICES": "MIG-second"}, clock=time.monotonic)
     assert sampler is not None
+    registry.register(sampler)
+    sampler.start()
     wait_for_samples_of(registry, uuid="MIG-second")
     sampler.close()
     assert {(handle, instance) for handle, instance, _ in nvml.samples} == {("GPU-parent", 5)}
@@ -342,14 +346,10 @@ def test_an_nvidia_ml_py_without_the_mig_call_starts_nothing_for_a_mig_instance(
         nvmlGpmMigSampleGet = None  # type: ignore[assignment]  # noqa: N815  # pynvml's name, made missing
 
     parent = FakeGpu("GPU-parent", bus=1, migs=[("MIG-first", 1)])
-    registry = CollectorRegistry()
     with caplog.at_level(logging.INFO, logger="phasescope.telemetry.hardware.gpu_counters"):
-        sampler = start_gpu_counters(
-            registry, "m", nvml=OldBindings({}, gpus=[parent]), environ={"CUDA_VISIBLE_DEVICES": "MIG-first"}
-        )
+        sampler = gpm_sampler("m", nvml=OldBindings({}, gpus=[parent]), environ={"CUDA_VISIBLE_DEVICES": "MIG-first"})
     assert sampler is None
     assert "unsupported on MIG" in caplog.text
-    assert gpu_series(registry) == []
 
 
 def test_a_gpu_whose_sample_fails_is_skipped_while_the_others_are_measured() -> None:
@@ -370,23 +370,18 @@ def test_a_gpu_whose_sample_fails_is_skipped_while_the_others_are_measured() -> 
 
 
 def test_no_supported_gpu_means_no_series_and_no_thread() -> None:
-    registry = CollectorRegistry()
-
     class OldGpusOnly(FakeNvml):
         def nvmlGpmQueryDeviceSupport(self, handle: str) -> Any:
             return SimpleNamespace(isSupportedDevice=0)
 
-    assert start_gpu_counters(registry, "m", nvml=OldGpusOnly({}), environ={}) is None
-    assert gpu_series(registry) == []
+    assert gpm_sampler("m", nvml=OldGpusOnly({}), environ={}) is None
 
 
 def test_without_nvml_nothing_starts(monkeypatch: pytest.MonkeyPatch) -> None:
     # pynvml absent, or no driver (load_nvml gives None): nothing fails, no series. Faked at the
     # boundary, so the test says the same on a GPU machine (it used to call the real NVML).
     monkeypatch.setattr(gpu_counters, "load_nvml", lambda: None)
-    registry = CollectorRegistry()
-    assert start_gpu_counters(registry, "m") is None
-    assert gpu_series(registry) == []
+    assert gpm_sampler("m") is None
 
 
 def test_a_driver_that_fails_its_queries_turns_the_counters_off() -> None:
@@ -394,4 +389,4 @@ def test_a_driver_that_fails_its_queries_turns_the_counters_off() -> None:
         def nvmlDeviceGetCount(self) -> int:
             raise RuntimeError("NVML_ERROR_DRIVER_NOT_LOADED")
 
-    assert start_gpu_counters(CollectorRegistry(), "m", nvml=Broken({}), environ={}) is None
+    assert gpm_sampler("m", nvml=Broken({}), environ={}) is None

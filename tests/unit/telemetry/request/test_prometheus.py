@@ -60,7 +60,8 @@ def registry() -> CollectorRegistry:
 
 
 def test_figures_are_recorded_when_they_become_known(registry: CollectorRegistry) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model": MODEL, **labels})
@@ -96,14 +97,16 @@ def test_figures_are_recorded_when_they_become_known(registry: CollectorRegistry
 
 def test_unary_requests_stay_out_of_the_client_ttft_histogram(registry: CollectorRegistry) -> None:
     # A unary caller sees its first token with the whole answer: that is its E2E, not a TTFT.
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     observer.request_first_token(first_token(streaming=False))
     assert registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL}) == 1
     assert registry.get_sample_value("phasescope_client_time_to_first_token_seconds_count", {"model": MODEL}) is None
 
 
 def test_request_ended_before_its_first_token_counts_against_the_ttft_slo(registry: CollectorRegistry) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     observer.request_started(MODEL)
     front = FrontendTimestamps(9.9, 1.7e9, handed_to_engine=9.95, ended=11.2)
     observer.request_finished(
@@ -131,7 +134,8 @@ def test_request_ended_before_its_first_token_counts_against_the_ttft_slo(regist
 
 
 def test_a_structured_output_requests_queue_is_observed_by_its_kind(registry: CollectorRegistry) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     observer.request_first_token(FirstTokenRecord(MODEL, TIMINGS, 8, streaming=True, constraint="json_schema"))
     observer.request_first_token(first_token())  # a plain request is not in it
     series = "phasescope_structured_output_queue_seconds"
@@ -144,7 +148,8 @@ def test_a_structured_output_requests_queue_is_observed_by_its_kind(registry: Co
 def test_a_request_with_samples_observes_its_shared_stages_once_and_each_sequence_on_its_own(
     registry: CollectorRegistry,
 ) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
 
     def value(name: str, **labels: str) -> float | None:
         return registry.get_sample_value(name, {"model": MODEL, **labels})
@@ -169,7 +174,8 @@ def test_a_request_with_samples_observes_its_shared_stages_once_and_each_sequenc
 
 
 def test_rejections_are_counted_by_reason(registry: CollectorRegistry) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     observer.request_rejected(MODEL, "overloaded")
     observer.request_rejected(MODEL, "overloaded")
     observer.request_rejected(MODEL, "invalid_argument")
@@ -180,7 +186,7 @@ def test_rejections_are_counted_by_reason(registry: CollectorRegistry) -> None:
 
 def test_no_metric_name_contains_vllm(registry: CollectorRegistry) -> None:
     # vLLM's unregister_vllm_metrics() drops every collector whose name contains "vllm".
-    PrometheusRequestObserver(registry)
+    registry.register(PrometheusRequestObserver())
     names = {metric.name for metric in registry.collect()}
     assert names
     assert all(name.startswith("phasescope_") and "vllm" not in name for name in names)
@@ -194,8 +200,11 @@ def test_a_failing_observer_does_not_stop_the_others_and_is_counted(registry: Co
 
             return fail
 
-    errors = TelemetryErrors(MODEL, registry)
-    group = ObserverGroup([Broken(), PrometheusRequestObserver(registry)], on_error=errors)
+    errors = TelemetryErrors(MODEL)
+    registry.register(errors)
+    request_metrics = PrometheusRequestObserver()
+    registry.register(request_metrics)
+    group = ObserverGroup([Broken(), request_metrics], on_error=errors)
     group.request_started(MODEL)
     group.request_first_token(first_token())
     group.tokens_generated(MODEL, 3)
@@ -210,7 +219,8 @@ def test_a_failing_observer_does_not_stop_the_others_and_is_counted(registry: Co
 def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(registry: CollectorRegistry) -> None:
     from prometheus_client import generate_latest
 
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     observer.request_first_token(first_token())
     observer.tokens_generated(MODEL, 2)
     first = generate_latest(registry).decode()
@@ -224,7 +234,8 @@ def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(reg
 
 
 def test_a_kv_transfer_is_observed_as_its_stage_with_the_tokens_and_bytes_moved(registry: CollectorRegistry) -> None:
-    observer = PrometheusRequestObserver(registry)
+    observer = PrometheusRequestObserver()
+    registry.register(observer)
     decode_worker = dataclasses.replace(TIMINGS, kv_transfer_seconds=0.04, kv_loaded_tokens=768, kv_transfer_bytes=7e6)
     prefill_worker = dataclasses.replace(TIMINGS, kv_transfer_seconds=0.02, kv_saved_tokens=857, kv_transfer_bytes=8e6)
     for timings in (decode_worker, prefill_worker, TIMINGS):

@@ -45,7 +45,9 @@ def served(clock: FakeClock, batch: int | None) -> tuple[StepAggregator, Collect
     aggregator = StepAggregator(
         COST, "float32", PEAKS, window_seconds=10.0, clock=clock, sinks=(recent,), pipeline=pipeline
     )
-    StepMetrics("m", aggregator, registry)
+    step_metrics = StepMetrics("m", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     return aggregator, registry, recent
 
 
@@ -140,7 +142,9 @@ def test_a_report_that_fails_costs_that_report_only() -> None:
         COST, "float32", PEAKS, clock=FakeClock(), sinks=(Failing(),), pipeline=pipeline,
         on_error=lambda where, exc: failures.append((where, exc)),
     )  # fmt: skip
-    StepMetrics("m", aggregator, registry)
+    step_metrics = StepMetrics("m", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     for batch in (2, 3, 2):
         aggregator.record(StepReport(step=StepRecord(0, 0, 0, batch, batch, 0.05)))
     exposition(registry)  # a scrape hands them on, and still answers

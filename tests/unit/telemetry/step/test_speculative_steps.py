@@ -126,7 +126,9 @@ def test_a_draft_cost_ratio_is_the_calculator_s_alone_with_no_work_to_attribute(
 
 def record(steps: list[StepRecord], clock: FakeClock, registry: CollectorRegistry) -> None:
     aggregator = StepAggregator(COST, "float32", PEAKS, window_seconds=10.0, clock=clock, drafter=Drafter(K))
-    StepMetrics("m", aggregator, registry)
+    step_metrics = StepMetrics("m", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     for step in steps:
         clock.now += step.elapsed_seconds
         aggregator.record(StepReport(step=step))

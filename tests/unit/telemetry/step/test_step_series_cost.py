@@ -53,7 +53,8 @@ def exported(counter_class: type, amounts: list[tuple[float, tuple[str, str, str
         for amount, labels in amounts:
             counter.labels(*labels).inc(amount)
     else:
-        sums = SumCounter("phasescope_model_flops", HELP, LABELS, registry=registry)
+        sums = SumCounter("phasescope_model_flops", HELP, LABELS)
+        registry.register(sums)
         sums.labels("m", "2", "decode")
         for amount, labels in amounts:
             sums.inc(amount, *labels)
@@ -93,7 +94,8 @@ def test_a_sum_counter_leaves_out_created_series_when_prometheus_client_does() -
 
 def test_a_sum_counter_refuses_what_a_counter_refuses() -> None:
     registry = CollectorRegistry()
-    sums = SumCounter("phasescope_engine_steps", "Steps.", ["model", "engine"], registry=registry)
+    sums = SumCounter("phasescope_engine_steps", "Steps.", ["model", "engine"])
+    registry.register(sums)
     with pytest.raises(ValueError, match="non-negative"):
         sums.inc(-1.0, "m", "0")
     with pytest.raises(ValueError, match="label values"):
@@ -105,7 +107,8 @@ def test_a_sum_counter_refuses_what_a_counter_refuses() -> None:
 
 def test_a_scrape_while_series_are_made_and_added_to_reads_each_whole() -> None:
     registry = CollectorRegistry()
-    sums = SumCounter("phasescope_engine_step_tokens", "Tokens.", ["model", "engine"], registry=registry)
+    sums = SumCounter("phasescope_engine_step_tokens", "Tokens.", ["model", "engine"])
+    registry.register(sums)
     done = threading.Event()
     scraped: list[bytes] = []
 

@@ -41,7 +41,9 @@ def metrics(
     """The steps' aggregator with its Prometheus export in `registry`."""
     peaks = PEAKS.shared_by(engines) if shared else PEAKS
     aggregator = StepAggregator(COST, "float32", peaks, engines=engines, window_seconds=10.0, clock=clock, **options)
-    StepMetrics("m", aggregator, registry)
+    step_metrics = StepMetrics("m", aggregator)
+    aggregator.add_sink(step_metrics)
+    registry.register(step_metrics)
     return aggregator
 
 
@@ -270,7 +272,9 @@ def test_forwarder_drops_reports_until_a_sink_is_attached() -> None:
 
 def test_a_failing_sink_is_contained_and_counted() -> None:
     registry = CollectorRegistry()
-    forward = StepForwarder(on_error=TelemetryErrors("m", registry))
+    errors = TelemetryErrors("m")
+    registry.register(errors)
+    forward = StepForwarder(on_error=errors)
 
     def broken(report: StepReport) -> None:
         raise ZeroDivisionError("broken sink")
