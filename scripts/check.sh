@@ -22,4 +22,5 @@ step "engine-package and integration tests (vLLM and PyTorch; real engine, real 
 # Two workers, each taking whole modules (a module's servers are its own), in the order collected (the longest
 # first: tests/integration/conftest.py): a server's start is mostly one busy core, so two modules side by side
 # use the machine's two.
-"$BIN/pytest" tests/engine tests/integration -q -n "${PHASESCOPE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder
+"$BIN/pytest" tests/engine tests/integration -q -n "${PHASESCOPE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
+    --durations=25
