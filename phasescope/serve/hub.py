@@ -20,9 +20,8 @@ from dataclasses import dataclass, field
 from prometheus_client import CollectorRegistry
 
 from phasescope.engine.base import ModelDescription, Speculative
-from phasescope.serve.build import step_aggregator
+from phasescope.serve.build import judged_against, step_aggregator
 from phasescope.serve.config import Settings
-from phasescope.serve.peaks import per_engine_peaks, resolve_peaks, with_memory_capacity
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.errors import TelemetryErrors
 from phasescope.telemetry.live import RecentLatencies
@@ -107,11 +106,8 @@ class HubTelemetry:
         settings = self.settings
         description = description_of(facts)
         try:
-            peaks = await asyncio.to_thread(resolve_peaks, settings, facts.device, facts.on_cpu, facts.dtype)
-            engine_peaks = with_memory_capacity(
-                per_engine_peaks(peaks, settings, facts.data_parallel_size, facts.on_cpu), description
-            )
-            engine_peaks.peak_flops(facts.dtype)  # a device without the served dtype's figure is refused here
+            # As behind phasescope's own request path; a device without the served dtype's figure is refused here.
+            engine_peaks = await asyncio.to_thread(judged_against, settings, description)
         except ValueError as exc:  # NoPeakFlopsError and the flags' own refusals are ValueErrors
             logger.error(
                 "no step series for %s on %s: %s (give --hardware, or --peak-memory-bandwidth and --peak-flops)",
@@ -137,16 +133,7 @@ class HubTelemetry:
         # On the hub's own thread: no request path reads the engine's totals on the event loop here, and a scrape
         # hands on what is held under the pipeline's lock (one thread hop and one loop wake-up less per message).
         self.steps.attach(self._recorder(aggregator), on_loop=False)
-        logger.info(
-            "step telemetry for %s on %s (%d engine cores), judged against %s peaks: %.3g GB/s, %.3g TFLOP/s %s",
-            model,
-            facts.device,
-            facts.data_parallel_size,
-            peaks.source,
-            engine_peaks.memory_bandwidth_bytes_per_second / 1e9,
-            engine_peaks.peak_flops(facts.dtype) / 1e12,
-            facts.dtype,
-        )
+        logger.info("step telemetry for %s on %s (%d engine cores)", model, facts.device, facts.data_parallel_size)
         self.ready.set()
 
     def _recorder(self, aggregator: StepAggregator) -> Callable[[StepReport], None]:

@@ -6,7 +6,7 @@ import logging
 import pytest
 from prometheus_client import CollectorRegistry
 
-from phasescope.serve import hub
+from phasescope.serve import build, hub
 from phasescope.serve.config import Settings
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.pipeline import TelemetryPipeline
@@ -21,7 +21,8 @@ def telemetry(registry: CollectorRegistry) -> hub.HubTelemetry:
 
 
 def judged_against(monkeypatch: pytest.MonkeyPatch, peaks: HardwarePeaks) -> None:
-    monkeypatch.setattr(hub, "resolve_peaks", lambda settings, device, on_cpu, dtype: peaks)
+    # The hub judges as phasescope's own request path does (phasescope.serve.build.judged_against).
+    monkeypatch.setattr(build, "resolve_peaks", lambda settings, device, on_cpu, dtype: peaks)
 
 
 async def test_the_first_facts_wire_the_series_and_the_steps_that_came_before_them_count(
