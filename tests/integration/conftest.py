@@ -22,7 +22,7 @@ from support.servers import ServerProcess
 LONGEST_FIRST = (
     "test_engine_survives", "test_gateway", "test_disaggregation", "test_speculative", "test_loadtests",
     "test_engine_side_telemetry", "test_kv_transfer", "test_data_parallel", "test_capacity",
-    "test_telemetry_under_load", "test_prometheus_live", "test_lifecycle",
+    "test_telemetry_under_load", "test_lifecycle", "test_prometheus_live",
 )  # fmt: skip
 
 
@@ -97,10 +97,13 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
 
 @pytest.fixture(scope="session")
 def server(start_server: Callable[..., ServerProcess], otlp_receiver: OtlpReceiver) -> ServerProcess:
-    """The shared server traces every request to a real OTLP receiver run by the tests."""
+    """The shared server traces every request to a real OTLP receiver run by the tests, and is priced so the
+    cost series and the dashboard's cost panels have data."""
     return start_server(
         "--otlp-endpoint",
         f"http://127.0.0.1:{otlp_receiver.port}",
+        "--accelerator-cost-per-hour",
+        "2.5",
         # Export batches every 100 ms instead of every 5 s, so tests see spans quickly.
         env={"OTEL_BSP_SCHEDULE_DELAY": "100"},
         shared=True,

@@ -8,7 +8,7 @@ import re
 import shutil
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -35,14 +35,6 @@ DISAGGREGATION_ONLY = re.compile(r'\brole!?="|phasescope_kv_transfer_|phase="kv_
 # What the Prometheus Operator's service discovery adds to every series of a pod; the
 # autoscalers' queries select on them.
 NAMESPACE, POD = "phasescope-test", "phasescope-0"
-
-
-@pytest.fixture(scope="module")
-def server(start_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
-    """This module's own server, priced so the cost panels have data (the shared one runs without a price)."""
-    priced = start_server("--accelerator-cost-per-hour", "2.5")
-    yield priced
-    priced.stop()
 
 
 @pytest.fixture(scope="module")

@@ -310,6 +310,7 @@ def test_the_verdict_follows_its_evidence_on_the_real_engine(server: ServerProce
     if limit == "bandwidth":
         assert headroom == pytest.approx(max(0.0, 1 - bandwidth / 0.8), abs=0.05)
     assert 0.0 <= headroom < 1.0
-    # No price configured: no cost series.
-    assert not any(name == "phasescope_idle_cost_per_hour" for name, _ in busy)
+    # The shared server's price ($2.50 an hour): the share of it that pays for idle compute is shown.
+    assert any(name == "phasescope_idle_cost_per_hour" for name, _ in busy)
+    assert 0.0 < sum_samples(busy, "phasescope_idle_cost_per_hour") <= 2.5
     assert server.wait_engine_idle(timeout=60) == IDLE
