@@ -99,19 +99,6 @@ def test_n_gram_drafts_accept_more_of_a_repeating_prompt_and_never_more_than_dra
     assert rate > varied_rate
 
 
-def test_a_speculative_config_vllm_refuses_stops_the_server_with_one_line_naming_the_field(
-    start_server: Callable[..., ServerProcess],
-) -> None:
-    server = start_server(
-        "--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": -1}), wait=False
-    )
-    try:
-        assert server.process.wait(timeout=180) == 2
-        assert "--speculative-config" in server.log_tail()
-    finally:
-        server.stop()
-
-
 SERIES = (
     "phasescope_speculative_drafted_tokens_total",
     "vllm:spec_decode_num_draft_tokens_total",

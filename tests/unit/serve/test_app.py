@@ -15,6 +15,7 @@ import pytest
 from prometheus_client import CollectorRegistry
 
 from phasescope.client.client import AsyncClient, build_request
+from phasescope.engine.base import EngineConfigError
 from phasescope.errors import EngineUnavailableError
 from phasescope.serve.app import Server, event_loop_factory
 from phasescope.serve.config import Settings, SettingsError, parse_settings
@@ -113,6 +114,23 @@ def test_health_follows_the_engine_then_a_drain_stops_it_cleanly(loop: str) -> N
     assert text == "t11 t12 t13 "
     assert code == 0
     assert factory.engine.closed
+
+
+async def test_a_configuration_the_engine_refuses_exits_2_with_one_line_naming_the_flag(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # What vLLM's refusal becomes is tests/engine/test_speculative_config.py's (no server needed there either).
+    refusal = "--speculative-config: num_speculative_tokens must be > 0, got -1"
+
+    def refuses(*args: object) -> ScriptedEngine:
+        raise EngineConfigError(refusal)
+
+    server = Server(SETTINGS, CollectorRegistry(), engine_factory=refuses)
+    with caplog.at_level(logging.ERROR, logger="phasescope.serve.app"):
+        code = await asyncio.wait_for(server.run(), 10)
+    assert code == 2
+    (line,) = [record.getMessage() for record in caplog.records if record.levelno >= logging.ERROR]
+    assert line == f"the engine refused its configuration: {refusal}"
 
 
 async def test_a_dead_engine_turns_health_off_and_the_process_exits_1() -> None:
