@@ -15,7 +15,7 @@ import pytest
 from phasescope.client.client import Client
 from phasescope.engine.default_model import ensure_default_model
 from support.otlp import OtlpReceiver
-from support.servers import ServerProcess
+from support.servers import SHARED_CONTEXT, ServerProcess
 
 # The modules that take longest, longest first (from `--durations`): with two workers each taking the next module
 # as it finishes one (scripts/check.sh), the long ones start early and the short ones fill in around them.
@@ -98,8 +98,10 @@ def otlp_receiver() -> Iterator[OtlpReceiver]:
 @pytest.fixture(scope="session")
 def server(start_server: Callable[..., ServerProcess], otlp_receiver: OtlpReceiver) -> ServerProcess:
     """The shared server traces every request to a real OTLP receiver run by the tests, and is priced so the
-    cost series and the dashboard's cost panels have data."""
+    cost series and the dashboard's cost panels have data. Its context is SHARED_CONTEXT tokens."""
     return start_server(
+        "--max-model-len",
+        str(SHARED_CONTEXT),
         "--otlp-endpoint",
         f"http://127.0.0.1:{otlp_receiver.port}",
         "--accelerator-cost-per-hour",

@@ -9,7 +9,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 from phasescope.client.client import Client, build_request
 from support.bad_input import BAD_ENGINE_REQUESTS, BAD_REQUESTS, MAX_MODEL_LEN, raw_call
 from support.engine_protocol import open_engine_stub
-from support.servers import ServerProcess
+from support.servers import SHARED_CONTEXT, ServerProcess
 
 
 @pytest.mark.parametrize("case", BAD_REQUESTS)
@@ -52,7 +52,8 @@ def test_text_too_long_for_the_context_is_refused_unread_with_the_arithmetic(cli
     with pytest.raises(grpc.RpcError) as caught:
         client.generate(build_request(prompt="x" * 2**20))
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert "1048576 characters cannot fit in the context window of 2048 tokens" in (caught.value.details() or "")
+    expected = f"1048576 characters cannot fit in the context window of {SHARED_CONTEXT} tokens"
+    assert expected in (caught.value.details() or "")
 
 
 @pytest.mark.parametrize("case", BAD_ENGINE_REQUESTS)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
@@ -28,19 +28,15 @@ OUTPUT_TOKENS = 160
 
 
 @pytest.fixture(scope="module")
-def servers(start_server: Callable[..., ServerProcess]) -> Iterator[tuple[ServerProcess, ServerProcess]]:
+def servers(start_server: Callable[..., ServerProcess]) -> tuple[ServerProcess, ServerProcess]:
     tiny = str(ensure_tiny_model())
     common = ("--model", tiny, "--max-model-len", "1024", "--max-concurrent-requests", "64")
-    # Both start at once (the tiny model loads in seconds), and stop with the module: CI has two cores.
+    # Both start at once (the tiny model loads in seconds); they stop with the module (conftest.Servers).
     small = start_server(*common, "--kv-cache-gib", str(2 / 1024), wait=False)
     ample = start_server(*common, wait=False)
-    try:
-        small.wait_serving()
-        ample.wait_serving()
-        yield small, ample
-    finally:
-        small.stop()
-        ample.stop()
+    small.wait_serving()
+    ample.wait_serving()
+    return small, ample
 
 
 def run_load(server: ServerProcess, seed: int) -> list[Samples]:

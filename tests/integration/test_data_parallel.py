@@ -16,7 +16,8 @@ from support.servers import ServerProcess
 
 @pytest.fixture(scope="module")
 def dp_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
-    return start_server("--data-parallel-size", "2")
+    # vLLM's own binding, which gives each rank a core (one mask, as support.servers.engine_cpus sets, has one rank's).
+    return start_server("--data-parallel-size", "2", env={"VLLM_CPU_OMP_THREADS_BIND": "auto"})
 
 
 def test_concurrent_requests_are_answered_correctly_by_both_engines(dp_server: ServerProcess) -> None:

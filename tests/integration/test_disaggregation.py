@@ -32,7 +32,7 @@ import time
 import urllib.request
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -69,13 +69,13 @@ def long_prompt(topic: str, notes: int = 60) -> str:
 
 @dataclass
 class Pair:
-    """The two workers, the folder their connectors share, and each configuration (to start a worker again)."""
+    """The two workers, the folder their connectors share, and each configuration (to start a worker again). Every
+    worker, a restarted one too, stops with the module (conftest.Servers)."""
 
     prefill: ServerProcess
     decode: ServerProcess
     store: Path
     prefill_args: tuple[str, ...]
-    stopped: list[ServerProcess] = field(default_factory=list)
 
 
 def connector_args(store: Path, role: str, otlp_receiver: OtlpReceiver) -> tuple[str, ...]:
@@ -96,20 +96,15 @@ def pair(
     start_server: Callable[..., ServerProcess],
     otlp_receiver: OtlpReceiver,
     tmp_path_factory: pytest.TempPathFactory,
-) -> Iterator[Pair]:
+) -> Pair:
     store = tmp_path_factory.mktemp("kv-store")
     prefill_args = connector_args(store, "kv_producer", otlp_receiver)
     # Both load at once (their start-up is mostly waiting on the cores in turn).
     prefill = start_server(*prefill_args, wait=False, env=TRACE_ENV)
     decode = start_server(*connector_args(store, "kv_consumer", otlp_receiver), wait=False, env=TRACE_ENV)
-    workers = Pair(prefill, decode, store, prefill_args)
-    try:
-        prefill.wait_serving()
-        decode.wait_serving()
-        yield workers
-    finally:
-        for server in (workers.decode, workers.prefill, prefill, *workers.stopped):
-            server.stop()
+    prefill.wait_serving()
+    decode.wait_serving()
+    return Pair(prefill, decode, store, prefill_args)
 
 
 @pytest.fixture(scope="module")
@@ -428,7 +423,6 @@ def test_a_stopped_prefill_worker_is_refused_promptly_and_one_started_on_its_add
     old = pair.prefill
     decode_before = counts(pair.decode)
     old.stop()
-    pair.stopped.append(old)
     for _ in range(3):
         started = time.monotonic()
         with pytest.raises(openai.APIStatusError) as refused:

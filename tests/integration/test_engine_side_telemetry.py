@@ -29,7 +29,7 @@ from phasescope.client.client import Client
 from phasescope.engine.vllm import TELEMETRY_SCHEDULER
 from phasescope.telemetry.exposition import fetch_samples, sum_samples
 from phasescope.v1 import inference_pb2 as pb
-from support.servers import ServerProcess
+from support.servers import ServerProcess, engine_cpus
 
 STREAMS = 64
 OUTPUT_TOKENS = 24
@@ -108,7 +108,7 @@ def vllm_openai(hub: Hub, tiny_model: Path, tmp_path_factory: pytest.TempPathFac
         "--scheduler-cls", TELEMETRY_SCHEDULER, "--enable-mfu-metrics",
         "--host", "127.0.0.1", "--port", str(port), "--disable-uvicorn-access-log",
     ]  # fmt: skip
-    env = {"PHASESCOPE_TELEMETRY_ENDPOINT": hub.endpoint, "VLLM_LOGGING_LEVEL": "WARNING"}
+    env = {"PHASESCOPE_TELEMETRY_ENDPOINT": hub.endpoint, "VLLM_LOGGING_LEVEL": "WARNING", **engine_cpus()}
     log = tmp_path_factory.mktemp("vllm-openai") / "server.log"
     with ManagedProcess(command, log, env=env) as server:
         base = f"http://127.0.0.1:{port}"

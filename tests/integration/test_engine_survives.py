@@ -2,8 +2,8 @@
 fuzz of every sampling field in combination on both protocols with long prompts, checked alive after each
 batch (issue 45).
 
-Two servers of their own: the default model with a 4,096-token context, where the reported requests
-(3,000-token prompts, beyond the 2,048-token step budget) killed the engine; and the tiny random-weight
+Two servers: the shared one (the default model with a 4,096-token context), where the reported requests
+(3,000-token prompts, beyond the 2,048-token step budget) killed the engine; and, of its own, the tiny random-weight
 model with a 128-token step budget and a 1,024-token context, where most prompts are split over steps and
 cost almost nothing to prefill, and an answer without max_tokens ends soon, so the fuzz can send hundreds.
 
@@ -32,34 +32,28 @@ from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.client.client import Client, build_request
 from phasescope.v1 import inference_pb2 as pb
 from support.engine_protocol import open_engine_stub
-from support.servers import ServerProcess
+from support.servers import SHARED_CONTEXT, ServerProcess
 
 OK, INVALID = grpc.StatusCode.OK, grpc.StatusCode.INVALID_ARGUMENT
-LONG_CONTEXT = 4096
+LONG_CONTEXT = SHARED_CONTEXT
 CHUNK_BUDGET = 128
 FUZZ_CONTEXT = 1024
 VOCAB = 49152
 NINE_HUNDRED_WORDS = " ".join(f"w{index % 100}" for index in range(900))  # 2,610 tokens
 
 
-def stopped_at_module_end(server: ServerProcess) -> Iterator[ServerProcess]:
-    try:
-        yield server
-    finally:
-        server.stop()
+@pytest.fixture(scope="module")
+def long_context_server(server: ServerProcess) -> ServerProcess:
+    """The default model as the issue ran it: a 4,096-token context (the shared server's), vLLM's step budget of
+    2,048 tokens."""
+    return server
 
 
 @pytest.fixture(scope="module")
-def long_context_server(start_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
-    """The default model as the issue ran it: a 4,096-token context, vLLM's step budget of 2,048 tokens."""
-    yield from stopped_at_module_end(start_server("--max-model-len", str(LONG_CONTEXT)))
-
-
-@pytest.fixture(scope="module")
-def chunking_server(start_server: Callable[..., ServerProcess]) -> Iterator[ServerProcess]:
+def chunking_server(start_server: Callable[..., ServerProcess]) -> ServerProcess:
     flags = ("--model", str(ensure_tiny_model()), "--max-num-batched-tokens", str(CHUNK_BUDGET),
              "--max-model-len", str(FUZZ_CONTEXT), "--max-concurrent-requests", "16")  # fmt: skip
-    yield from stopped_at_module_end(start_server(*flags))
+    return start_server(*flags)
 
 
 def engine_generate(stub: Any, request: vllm_pb.GenerateRequest) -> tuple[grpc.StatusCode, list[int], str]:

@@ -204,29 +204,26 @@ def test_an_idle_gateway_pinging_past_its_interval_keeps_its_connection(
     assert "goaway" not in log
 
 
-@pytest.fixture(scope="module", params=["rust", "python"])
-def front_end(request: pytest.FixtureRequest) -> str:
-    """Who runs the workers' request path: phasescope's own, or smg's Rust one over phasescope's engine cores."""
-    return str(request.param)
+FRONT_ENDS = ("rust", "python")
 
 
 @pytest.fixture(scope="module")
-def worker_pair(start_server: Callable[..., ServerProcess], front_end: str) -> Iterator[list[ServerProcess]]:
+def worker_pair(start_server: Callable[..., ServerProcess]) -> list[ServerProcess]:
     """Two workers of the tiny random-weight model (cheap on a small machine), each publishing its KV-cache
-    events, started as an operator would: no --served-model-name."""
+    events, started as an operator would (no --served-model-name): the first behind smg's Rust request path, the
+    second behind phasescope's own (FRONT_ENDS), so that each routing test crosses both."""
     workers = []
-    for _ in range(2):
+    for front_end in FRONT_ENDS:
         events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{free_port()}"}
         workers.append(
             start_server(
-                "--front-end", front_end, "--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events)
+                "--front-end", front_end, "--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events),
+                wait=False,
             )
-        )
-    try:
-        yield workers
-    finally:
-        for worker in workers:
-            worker.stop()
+        )  # fmt: skip
+    for worker in workers:
+        worker.wait_serving()
+    return workers
 
 
 @pytest.fixture(scope="module")
@@ -238,14 +235,21 @@ def cache_aware_gateway(worker_pair: list[ServerProcess], tmp_path_factory: pyte
             yield client
 
 
+@pytest.mark.parametrize("front_end", FRONT_ENDS)
 def test_the_model_path_is_its_id_and_max_tokens_at_the_contexts_size_runs_to_its_end(
-    cache_aware_gateway: openai.OpenAI,
+    worker_pair: list[ServerProcess], front_end: str, tmp_path: Path
 ) -> None:
     # Guards issue 46's two cases, as smg's own e2e suite sends them: the model by its --model path (404 when
     # the worker named it by the folder's last part), and max_tokens at the context's size (refused before).
-    client = cache_aware_gateway
-    assert [model.id for model in client.models.list()] == [str(ensure_tiny_model())]
-    answer = client.completions.create(model=str(ensure_tiny_model()), prompt="Hi", max_tokens=2048, temperature=0)
+    # A gateway of its own in front of that one worker, so the answer is that front end's.
+    worker = worker_pair[FRONT_ENDS.index(front_end)]
+    with GatewayProcess([worker.address], ensure_tiny_model(), tmp_path / "smg.log") as gateway:
+        gateway.wait_ready()
+        with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
+            assert [model.id for model in client.models.list()] == [str(ensure_tiny_model())]
+            answer = client.completions.create(
+                model=str(ensure_tiny_model()), prompt="Hi", max_tokens=2048, temperature=0
+            )
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage is not None
     assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 2048  # support.servers.BASE_ARGS
@@ -290,13 +294,13 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
         assert served[topic % 2] == 1, (topic, served)
 
 
-@pytest.mark.parametrize("front_end", ["python"], indirect=True)  # phasescope's relay: the Rust server has its own
 def test_each_kv_event_batch_carries_the_workers_load_and_an_idle_stream_its_heartbeats(
     worker_pair: list[ServerProcess],
 ) -> None:
     # As vLLM's worker stamps its batches: the load record (GetLoads' figures) on every batch, and `load_only`
-    # batches (the last sequence repeated) while no events flow.
-    worker = worker_pair[1]
+    # batches (the last sequence repeated) while no events flow. phasescope's relay, behind its own front end (the
+    # Rust server has its own).
+    worker = worker_pair[FRONT_ENDS.index("python")]
     worker.wait_engine_idle()
     batches: list[common_pb2.KvEventBatch] = []
     with open_engine_stub(worker.address) as engine:

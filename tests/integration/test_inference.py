@@ -12,7 +12,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from phasescope.client.client import AsyncClient, Client, build_request
 from phasescope.v1 import inference_pb2 as pb
-from support.servers import ServerProcess
+from support.servers import SHARED_CONTEXT, ServerProcess
 
 CAPITAL = [("user", "What is the capital of France?")]
 
@@ -160,13 +160,13 @@ def test_tokenize_agrees_with_prompt_usage(client: Client) -> None:
 def test_tokenize_counts_a_document_longer_than_the_context(client: Client) -> None:
     # Counting is not generating: Tokenize takes any text the message size allows.
     ids = client.tokenize(text="word " * 100_000)
-    assert len(ids) >= 100_000  # at least a token per word, far past the 2,048-token context
+    assert len(ids) >= 100_000  # at least a token per word, far past the context
 
 
 def test_model_info_describes_the_default_model(client: Client) -> None:
     info = client.model_info()
     assert info.model_name == "SmolLM2-135M-Instruct"
-    assert info.max_context_length == 2048
+    assert info.max_context_length == SHARED_CONTEXT
     assert info.engine == "vllm"
     assert info.engine_version
     # Counted from the checkpoint: embeddings are tied, so stored once.
@@ -204,7 +204,7 @@ async def test_async_client_streams_and_describes(server: ServerProcess) -> None
 
     text, context, health = await scenario()
     assert "Paris" in text
-    assert context == 2048
+    assert context == SHARED_CONTEXT
     assert health == "SERVING"
 
 

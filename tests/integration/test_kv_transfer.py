@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -44,18 +44,14 @@ LONG_PROMPT += " Which street has the most windows?"
 @pytest.fixture(scope="module")
 def pd_server(
     start_server: Callable[..., ServerProcess], tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[tuple[ServerProcess, Path]]:
+) -> tuple[ServerProcess, Path]:
     store = tmp_path_factory.mktemp("kv-store")
     config = {
         "kv_connector": "ExampleConnector",
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(store)},
     }
-    server = start_server("--kv-transfer-config", json.dumps(config))
-    try:
-        yield server, store
-    finally:
-        server.stop()
+    return start_server("--kv-transfer-config", json.dumps(config)), store
 
 
 def complete(server: ServerProcess, request_id: str, **fields: Any) -> Any:

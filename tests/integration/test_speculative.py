@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -23,13 +23,9 @@ REPEATING = " ".join(["one two three four five six seven eight"] * 12)
 
 
 @pytest.fixture(scope="module")
-def drafting_server(start_server: Callable[..., ServerProcess], default_model: Path) -> Iterator[ServerProcess]:
+def drafting_server(start_server: Callable[..., ServerProcess], default_model: Path) -> ServerProcess:
     config = {"method": "draft_model", "model": str(default_model), "num_speculative_tokens": K}
-    server = start_server("--speculative-config", json.dumps(config))
-    try:
-        yield server
-    finally:
-        server.stop()
+    return start_server("--speculative-config", json.dumps(config))
 
 
 def engine_complete(server: ServerProcess, ids: list[int], max_tokens: int) -> Any:

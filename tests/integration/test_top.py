@@ -42,8 +42,11 @@ def tmux(tmp_path: Path) -> Iterator[Tmux]:
         return subprocess.run(["tmux", "-L", socket, *args], capture_output=True, text=True, timeout=10)
 
     try:
+        # Until our server answers: a command that starts no server of its own (`start-server` would start a
+        # daemon when ours is still coming up, and the two then fight over the socket).
         deadline = time.monotonic() + 10
-        while run("start-server").returncode != 0 and time.monotonic() < deadline:
+        while run("show-options", "-g").returncode != 0 and time.monotonic() < deadline:
+            assert server.poll() is None, "the tmux server exited"
             time.sleep(0.1)
         yield run
     finally:

