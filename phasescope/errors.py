@@ -3,8 +3,11 @@
 `phasescope.serve.status` maps each to a gRPC status code; this module knows no transport.
 
     PhasescopeError
-    ├── InvalidRequestError      the caller's fault: INVALID_ARGUMENT, names the field
-    ├── NotConfiguredError       asks for what this worker was not started with: FAILED_PRECONDITION, names the field
+    ├── FieldError               about one field of the request: its message starts with the field
+    │   ├── InvalidRequestError  the caller's fault: INVALID_ARGUMENT
+    │   ├── NotConfiguredError   asks for what this worker was not started with: FAILED_PRECONDITION
+    │   ├── NotFoundError        names something this worker does not have (an adapter): NOT_FOUND
+    │   └── AlreadyExistsError   would add what this worker has already (an adapter's name): ALREADY_EXISTS
     ├── OverloadedError          too many requests admitted: RESOURCE_EXHAUSTED
     │   └── ClientLimitError     too many from this one caller: RESOURCE_EXHAUSTED
     ├── WatcherLimitError        --max-watchers telemetry watchers already: RESOURCE_EXHAUSTED
@@ -24,21 +27,29 @@ class PhasescopeError(Exception):
     """Base of every error the server turns into a gRPC status on purpose."""
 
 
-class InvalidRequestError(PhasescopeError):
-    """A request the server will never serve as sent."""
+class FieldError(PhasescopeError):
+    """An error about one field of a request: its message starts with the field's name."""
 
     def __init__(self, field: str, message: str) -> None:
         super().__init__(f"{field}: {message}")
         self.field = field
 
 
-class NotConfiguredError(PhasescopeError):
+class InvalidRequestError(FieldError):
+    """A request the server will never serve as sent."""
+
+
+class NotConfiguredError(FieldError):
     """A request that needs what this worker was not started with (e.g. a KV transfer without a KV connector):
     well formed, but for another worker, or for this one started otherwise."""
 
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
+
+class NotFoundError(FieldError):
+    """A request that names something this worker does not serve (a LoRA adapter it has not loaded)."""
+
+
+class AlreadyExistsError(FieldError):
+    """A call that would add what this worker already has (an adapter under a name that is served)."""
 
 
 class OverloadedError(PhasescopeError):

@@ -65,6 +65,7 @@ def build_request(
     request_id: str = "",
     token_ids_only: bool = False,
     stream_interval: int = 0,
+    adapter: str = "",
     **sampling: Any,
 ) -> pb.GenerateRequest:
     """A GenerateRequest from plain values; `sampling` takes SamplingParams' field names."""
@@ -73,6 +74,7 @@ def build_request(
         sampling=pb.SamplingParams(**sampling),
         token_ids_only=token_ids_only,
         stream_interval=stream_interval,
+        adapter=adapter,
     )
     if prompt is not None:
         request.prompt = prompt
@@ -163,6 +165,18 @@ class Client(_Client):
         info: pb.ModelInfo = self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._options())
         return info
 
+    def list_adapters(self) -> list[pb.AdapterInfo]:
+        response: pb.ListAdaptersResponse = self._stub.ListAdapters(pb.ListAdaptersRequest(), **self._options())
+        return list(response.adapters)
+
+    def load_adapter(self, name: str, path: str) -> pb.AdapterInfo:
+        info: pb.AdapterInfo = self._stub.LoadAdapter(pb.LoadAdapterRequest(name=name, path=path), **self._options())
+        return info
+
+    def unload_adapter(self, name: str) -> pb.AdapterInfo:
+        info: pb.AdapterInfo = self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), **self._options())
+        return info
+
     def health(self, service: str = "") -> str:
         """ "SERVING", "NOT_SERVING", ... as the standard health service reports it."""
         return _status_name(self._health.Check(health_pb2.HealthCheckRequest(service=service), **self._options()))
@@ -227,6 +241,19 @@ class AsyncClient(_Client):
 
     async def model_info(self) -> pb.ModelInfo:
         info: pb.ModelInfo = await self._stub.GetModelInfo(pb.GetModelInfoRequest(), **self._options())
+        return info
+
+    async def list_adapters(self) -> list[pb.AdapterInfo]:
+        response: pb.ListAdaptersResponse = await self._stub.ListAdapters(pb.ListAdaptersRequest(), **self._options())
+        return list(response.adapters)
+
+    async def load_adapter(self, name: str, path: str) -> pb.AdapterInfo:
+        request = pb.LoadAdapterRequest(name=name, path=path)
+        info: pb.AdapterInfo = await self._stub.LoadAdapter(request, **self._options())
+        return info
+
+    async def unload_adapter(self, name: str) -> pb.AdapterInfo:
+        info: pb.AdapterInfo = await self._stub.UnloadAdapter(pb.UnloadAdapterRequest(name=name), **self._options())
         return info
 
     async def health(self, service: str = "") -> str:

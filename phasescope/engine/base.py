@@ -6,11 +6,13 @@ this seam keeps its unstable interfaces in one module.
 
 from __future__ import annotations
 
+import re
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
+from phasescope.telemetry.model.adapter import AdapterShape
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.request.phases import EngineTimestamps
 
@@ -40,6 +42,13 @@ class EngineOptions:
     none)."""
     telemetry_listen: str = ""
     """Where the hub the engine cores publish their steps to binds (a ZMQ address; empty: a private ipc path)."""
+    lora: bool = False
+    """Whether the engine runs LoRA adapters (vLLM's enable_lora)."""
+    max_loras: int = 1
+    max_lora_rank: int = 16
+    max_cpu_loras: int | None = None
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    """The adapters served from the start: (name, PEFT folder) pairs."""
 
 
 class EngineConfigError(ValueError):
@@ -126,6 +135,32 @@ class ModelDescription:
     kv_connector: KvConnector | None = None
     """The KV connector of a disaggregated prefill/decode pool (None: the engine runs none, and a request that asks
     for a KV transfer is refused)."""
+    max_loras: int = 0
+    """Distinct LoRA adapters one step can run (vLLM's max_loras); 0: the engine runs no adapters."""
+    max_lora_rank: int = 0
+
+
+# What the adapter label of the request series says for the base model, and for adapters past the label limit.
+RESERVED_ADAPTER_NAMES = ("base", "other")
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (it becomes a series label and a request field's value), or None."""
+    if not _ADAPTER_NAME.fullmatch(name):
+        return f"an adapter name is 1 to 64 letters, digits, '.', '_' or '-' (a letter or digit first), got {name!r}"
+    if name in RESERVED_ADAPTER_NAMES:
+        return f"{' and '.join(RESERVED_ADAPTER_NAMES)} are the series' own labels, not adapter names"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter the engine serves over its base model, by the name requests select it with."""
+
+    name: str
+    path: str
+    shape: AdapterShape
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,11 +223,23 @@ class Engine(Protocol):
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         """Token ids the model sees for this input (chat rendered with the model's template)."""
 
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        """The LoRA adapters it serves now, in the order they were loaded (none: LoRA is off or none is loaded)."""
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        """Check the adapter folder against the base model and load it under `name`; AdapterError (one line) when
+        it is no adapter or not one for this model, NotConfiguredError when the engine runs no adapters."""
+
+    async def unload_adapter(self, name: str) -> Adapter:
+        """Stop serving the adapter (requests running with it finish); NotFoundError for a name it does not serve."""
+
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, adapter: str = ""
     ) -> AsyncGenerator[EngineStep, None]:
         """Stream the request's steps; closing the iterator aborts the engine request. With `sampling.n`
-        > 1 the samples' steps interleave, each with its `index`, and the last one is `finished`.
+        > 1 the samples' steps interleave, each with its `index`, and the last one is `finished`. `adapter`: the
+        LoRA adapter it runs with, by name ("": the base model).
 
         Sampling the engine refuses raises InvalidRequestError from this call, before
         the request reaches the engine.

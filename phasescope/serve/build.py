@@ -287,7 +287,9 @@ def build_server(
         identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
         on_engine_dead=on_engine_dead,
     )
-    inference = InferenceServicer(path, max_watchers=settings.max_watchers)
+    inference = InferenceServicer(
+        path, max_watchers=settings.max_watchers, allow_adapter_updates=settings.allow_adapter_updates
+    )
     # vLLM's engine protocol on the same port, over the same path: the smg gateway's door.
     engine_protocol = VllmEngineServicer(path)
 

@@ -36,14 +36,16 @@ from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 import annotated_types
-from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
+from pydantic import AfterValidator, BeforeValidator, Field, ValidationError, field_validator, model_validator
 from pydantic.fields import FieldInfo
 from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
-from phasescope.engine.base import EngineOptions
+from phasescope.engine.base import EngineOptions, adapter_name_problem
 
 ENV_PREFIX = "PHASESCOPE_"
+# The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Python's own threshold for its youngest generation, and what the server sets instead by default: a fixed
 # threshold still sets off collections at high concurrency, so it grows with the requests the engines run
 # (docs/benchmarks.md, "Settings that change the cost per token").
@@ -81,6 +83,26 @@ def _json_object(value: object) -> object:
     return value
 
 
+def _words(value: object) -> object:
+    # A list setting: the flag's values as given, or one environment variable's, separated by spaces.
+    return tuple(value.split()) if isinstance(value, str) else value
+
+
+def _adapter_modules(value: tuple[str, ...]) -> tuple[str, ...]:
+    names: set[str] = set()
+    for entry in value:
+        name, equals, path = entry.partition("=")
+        if not equals or not name or not path:
+            raise ValueError(f"NAME=PATH pairs (a PEFT folder each), e.g. sql=/adapters/sql; {entry!r} is not one")
+        problem = adapter_name_problem(name)
+        if problem:
+            raise ValueError(f"NAME=PATH pairs whose names are adapter names: {problem}")
+        if name in names:
+            raise ValueError(f"each adapter named once; {name!r} is named twice")
+        names.add(name)
+    return value
+
+
 def _lowercase(value: object) -> object:
     # Log levels are read case-blind (INFO or info), as `logging` itself does.
     return value.lower() if isinstance(value, str) else value
@@ -92,6 +114,7 @@ NoneOrMore = Annotated[int, Field(ge=0)]
 Share = Annotated[float, Field(gt=0, le=1)]
 Flag = Annotated[bool, BeforeValidator(_blank_is_false)]
 JsonObject = Annotated[str, BeforeValidator(_json_object)]
+AdapterModules = Annotated[tuple[str, ...], BeforeValidator(_words), AfterValidator(_adapter_modules)]
 LogLevel = Annotated[Literal["debug", "info", "warning", "error", "critical"], BeforeValidator(_lowercase)]
 
 # What `settings_from` was given for the `Settings` it is building; None: os.environ.
@@ -242,6 +265,25 @@ class Settings(BaseSettings):
     """vLLM's KV connector, for a disaggregated prefill/decode pool, as JSON in vLLM's shape (--kv-transfer-config
     of vLLM), e.g. {"kv_connector": "NixlConnector", "kv_role": "kv_both"}: GetServerInfo reports the connector,
     role and engine id, and requests' kv_transfer_params reach it; empty: none (such requests are refused)."""
+    lora_modules: AdapterModules = ()
+    """LoRA adapters served from the start over the one base model, as NAME=PATH pairs (each PATH a PEFT folder:
+    adapter_config.json and adapter_model.safetensors), e.g. --lora-modules sql=/adapters/sql chat=/adapters/chat
+    (the environment: one variable, the pairs separated by spaces). A request names its adapter: phasescope.v1's
+    `adapter` field, or the phasescope-adapter metadata key on vLLM's engine protocol. Each is checked at start (a
+    folder that is no adapter, a rank above --max-lora-rank, a base-model mismatch: the server does not start)."""
+    max_loras: AtLeastOne = 1
+    """Distinct adapters one engine step can run (vLLM's max_loras): a request for another adapter waits for a
+    slot even while the batch has room (the adapter-slot wall)."""
+    max_lora_rank: AtLeastOne = 16
+    """The largest adapter rank the engine accepts (vLLM's max_lora_rank: one of 1, 8, 16, 32, 64, 128, 256, 320,
+    512); the engine's LoRA buffers are sized for it."""
+    max_cpu_loras: Annotated[int | None, Field(ge=1), BeforeValidator(_blank_is_none)] = None
+    """Adapters kept loaded in host memory (vLLM's max_cpu_loras, at least --max-loras); unset: --max-loras.
+    Adapters past it are read from their folders again when next asked for."""
+    allow_adapter_updates: Flag = False
+    """Let LoadAdapter and UnloadAdapter (phasescope.v1) add and remove adapters while serving, behind the same
+    access control as every other call; off, they are refused (FAILED_PRECONDITION). On, LoRA is enabled even
+    without --lora-modules."""
     front_end: Literal["python", "rust", "external"] = "python"
     """Who runs the request path: python, phasescope's own (both protocols, every stage of every request); rust,
     smg's Rust request path for vLLM's engine protocol (smg-grpc-servicer's VllmGrpcServer: less CPU per token,
@@ -288,6 +330,34 @@ class Settings(BaseSettings):
             # Phrased as what the value must be: `_describe` writes "--hardware must be <this>, got ...".
             raise ValueError(f"a device of the datasheet table ({', '.join(DATASHEET)}) or empty")
         return value
+
+    @field_validator("max_lora_rank")
+    @classmethod
+    def _lora_kernel_rank(cls, value: int) -> int:
+        if value not in MAX_LORA_RANKS:
+            # Phrased as what the value must be: `_describe` writes "--max-lora-rank must be <this>, got ...".
+            raise ValueError(f"one of {', '.join(map(str, MAX_LORA_RANKS))} (the ranks vLLM's LoRA kernels have)")
+        return value
+
+    @model_validator(mode="after")
+    def _cpu_loras_hold_the_batchs(self) -> Self:
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            raise ValueError(f"--max-cpu-loras ({self.max_cpu_loras}) must be at least --max-loras ({self.max_loras})")
+        return self
+
+    @model_validator(mode="after")
+    def _rust_front_end_carries_no_adapter(self) -> Self:
+        if self.front_end == "rust" and self.lora_enabled:
+            raise ValueError(
+                "--front-end rust: smg's Rust request path carries no LoRA adapter (vLLM's engine protocol has no "
+                "field for one, and the Rust server passes no metadata on); serve adapters with --front-end python"
+            )
+        return self
+
+    @property
+    def lora_enabled(self) -> bool:
+        """Whether the engine runs adapters: some are named, or they may be loaded while serving."""
+        return bool(self.lora_modules) or self.allow_adapter_updates
 
     @model_validator(mode="after")
     def _rust_front_end_has_no_tls(self) -> Self:
@@ -353,6 +423,11 @@ class Settings(BaseSettings):
             kv_events_config=self.kv_events_config,
             speculative_config=self.speculative_config,
             kv_transfer_config=self.kv_transfer_config,
+            lora=self.lora_enabled,
+            max_loras=self.max_loras,
+            max_lora_rank=self.max_lora_rank,
+            max_cpu_loras=self.max_cpu_loras,
+            lora_modules=tuple((name, path) for name, _, path in (entry.partition("=") for entry in self.lora_modules)),
         )
 
 
@@ -471,7 +546,11 @@ def add_settings_arguments(parser: argparse.ArgumentParser) -> None:
         # argparse formats help with %, so a literal one must be doubled.
         description = (field.description or "").replace("%", "%%")
         help_text = f"{description} [env {env_var(name)}; default: {field.default!r}]"
-        if field.annotation is bool:
+        if typing.get_origin(field.annotation) is tuple:
+            parser.add_argument(
+                _flag(name), dest=name, nargs="+", default=argparse.SUPPRESS, metavar=name.upper(), help=help_text
+            )
+        elif field.annotation is bool:
             parser.add_argument(
                 _flag(name),
                 dest=name,

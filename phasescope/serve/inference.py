@@ -18,8 +18,8 @@ from typing import Any
 
 import grpc
 
-from phasescope.engine.base import TokenLogprob
-from phasescope.errors import InvalidRequestError, WatcherLimitError
+from phasescope.engine.base import Adapter, TokenLogprob, adapter_name_problem
+from phasescope.errors import InvalidRequestError, NotConfiguredError, WatcherLimitError
 from phasescope.serve.admission import Admission
 from phasescope.serve.path import Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import timings_message
@@ -86,10 +86,11 @@ def _usage(end: RequestEnd) -> pb.Usage:
 class InferenceServicer:
     """Implements phasescope.v1.Inference over the shared request path."""
 
-    def __init__(self, path: RequestPath, *, max_watchers: int = 4) -> None:
+    def __init__(self, path: RequestPath, *, max_watchers: int = 4, allow_adapter_updates: bool = False) -> None:
         self._path = path
         self._max_watchers = max_watchers
         self._watchers = 0
+        self._allow_adapter_updates = allow_adapter_updates
 
     def start_draining(self) -> None:
         self._path.draining = True
@@ -243,7 +244,53 @@ class InferenceServicer:
             kv_connector=d.kv_connector.connector if d.kv_connector else "",
             kv_role=d.kv_connector.role if d.kv_connector else "",
             kv_engine_id=d.kv_connector.engine_id if d.kv_connector else "",
+            max_loras=d.max_loras,
+            max_lora_rank=d.max_lora_rank,
+            adapters=[_adapter_info(adapter) for adapter in attached.engine.adapters],
         )
+
+    async def ListAdapters(self, request: pb.ListAdaptersRequest, context: ServicerContext) -> pb.ListAdaptersResponse:
+        engine = self._path.ready().engine
+        return pb.ListAdaptersResponse(adapters=[_adapter_info(adapter) for adapter in engine.adapters])
+
+    def _check_updates_allowed(self) -> None:
+        if not self._allow_adapter_updates:
+            raise NotConfiguredError(
+                "name", "adapters are loaded and unloaded only on a server started with --allow-adapter-updates"
+            )
+
+    async def LoadAdapter(self, request: pb.LoadAdapterRequest, context: ServicerContext) -> pb.AdapterInfo:
+        self._check_updates_allowed()
+        engine = self._path.ready().engine
+        problem = adapter_name_problem(request.name)
+        if problem:
+            raise InvalidRequestError("name", problem)
+        if not request.path:
+            raise InvalidRequestError("path", "must name the adapter's folder on the server")
+        adapter = await engine.load_adapter(request.name, request.path)
+        logger.info("serving adapter %s from %s (rank %d, %d bytes)", adapter.name, adapter.path,
+                    adapter.shape.rank, adapter.shape.bytes)  # fmt: skip
+        return _adapter_info(adapter)
+
+    async def UnloadAdapter(self, request: pb.UnloadAdapterRequest, context: ServicerContext) -> pb.AdapterInfo:
+        self._check_updates_allowed()
+        adapter = await self._path.ready().engine.unload_adapter(request.name)
+        logger.info("no longer serving adapter %s", adapter.name)
+        return _adapter_info(adapter)
+
+
+def _adapter_info(adapter: Adapter) -> pb.AdapterInfo:
+    shape = adapter.shape
+    return pb.AdapterInfo(
+        name=adapter.name,
+        path=adapter.path,
+        rank=shape.rank,
+        alpha=shape.alpha,
+        target_modules=list(shape.targets),
+        bytes=shape.bytes,
+        flops_per_token=shape.flops_per_token,
+        dtype=shape.dtype,
+    )
 
 
 def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
@@ -278,6 +325,21 @@ def inference_handler(servicer: InferenceServicer) -> grpc.GenericRpcHandler:
             servicer.GetModelInfo,
             request_deserializer=pb.GetModelInfoRequest.FromString,
             response_serializer=pb.ModelInfo.SerializeToString,
+        ),
+        "ListAdapters": grpc.unary_unary_rpc_method_handler(
+            servicer.ListAdapters,
+            request_deserializer=pb.ListAdaptersRequest.FromString,
+            response_serializer=pb.ListAdaptersResponse.SerializeToString,
+        ),
+        "LoadAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.LoadAdapter,
+            request_deserializer=pb.LoadAdapterRequest.FromString,
+            response_serializer=pb.AdapterInfo.SerializeToString,
+        ),
+        "UnloadAdapter": grpc.unary_unary_rpc_method_handler(
+            servicer.UnloadAdapter,
+            request_deserializer=pb.UnloadAdapterRequest.FromString,
+            response_serializer=pb.AdapterInfo.SerializeToString,
         ),
     }
     declared = {method.name for method in pb.DESCRIPTOR.services_by_name["Inference"].methods}

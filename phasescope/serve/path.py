@@ -30,7 +30,13 @@ import grpc
 
 from phasescope.engine.base import Engine, EngineStep, ModelDescription
 from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
-from phasescope.errors import EngineUnavailableError, NotConfiguredError, NotReadyError, PhasescopeError
+from phasescope.errors import (
+    EngineUnavailableError,
+    NotConfiguredError,
+    NotFoundError,
+    NotReadyError,
+    PhasescopeError,
+)
 from phasescope.serve.admission import Admission
 from phasescope.serve.lifecycle import LifecycleDeps, RequestLifecycle
 from phasescope.serve.status import rejection_reason
@@ -79,6 +85,10 @@ class GenerationAsk:
     kv_transfer: KvTransfer | None = None
     """The KV connector's parameters (disaggregated prefill and decode), handed to the engine as they came; a
     worker without a connector refuses them."""
+    adapter: str = ""
+    """The LoRA adapter it runs with, by name ("": the base model)."""
+    adapter_field: str = "adapter"
+    """The protocol's name for where the adapter came from: what a refusal names."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -262,6 +272,7 @@ class RequestPath:
             engine = self.ready_engine()
             ask = decode(engine.limits)
             check_kv_transfer(ask.kv_transfer, engine.description)
+            check_adapter(ask.adapter, ask.adapter_field, engine)
             async with lifecycle.admitted(self.caller(context)):
                 prompt = await self.tokenize(engine, ask.input)
                 prompt = truncate_prompt(
@@ -280,7 +291,7 @@ class RequestPath:
                 )
                 engine_request_id = new_engine_request_id()
                 # Nothing reaches the engine until the steps are iterated; sampling it refuses raises here.
-                steps = engine.generate(engine_request_id, prompt, sampling)
+                steps = engine.generate(engine_request_id, prompt, sampling, ask.adapter)
                 parameters = RequestParameters(
                     operation="chat" if ask.input.kind == "chat" else "text_completion",
                     max_tokens=sampling.max_tokens,
@@ -288,6 +299,7 @@ class RequestPath:
                     top_p=sampling.top_p,
                     constraint=sampling.structured.kind if sampling.structured is not None else "",
                     samples=sampling.n,
+                    adapter=ask.adapter,
                 )
                 request_id = ask.request_id or engine_request_id
                 lifecycle.handed_to_engine(
@@ -323,6 +335,17 @@ def check_kv_transfer(kv_transfer: KvTransfer | None, description: ModelDescript
             "this worker runs no KV connector, so it cannot take part in disaggregated prefill and decode: start "
             "the worker with --kv-transfer-config",
         )
+
+
+def check_adapter(adapter: str, field: str, engine: Engine) -> None:
+    """An adapter must be one the engine serves: NOT_FOUND naming the field (and the served ones) otherwise, or
+    FAILED_PRECONDITION from a worker that runs none."""
+    if not adapter or any(served.name == adapter for served in engine.adapters):
+        return
+    if not engine.description.max_loras:
+        raise NotConfiguredError(field, "this worker runs no LoRA adapters (start it with --lora-modules NAME=PATH)")
+    names = ", ".join(served.name for served in engine.adapters) or "none"
+    raise NotFoundError(field, f"no adapter named {adapter!r} is served (served: {names})")
 
 
 def _output(lifecycle: RequestLifecycle, request_id: str, first_prompt_token: int, step: EngineStep) -> Output:

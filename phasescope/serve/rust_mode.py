@@ -33,10 +33,10 @@ from smg_grpc_proto.generated import common_pb2
 from smg_grpc_proto.generated import vllm_engine_pb2 as pb
 from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
 
-from phasescope.engine.base import EngineStep, ModelDescription, TokenLogprob
+from phasescope.engine.base import Adapter, EngineStep, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.engine.vllm.text_side import Detokenizer, TextSide
-from phasescope.errors import EngineUnavailableError, InvalidRequestError
+from phasescope.errors import EngineUnavailableError, InvalidRequestError, NotConfiguredError
 from phasescope.serve.build import GRPC_OPTIONS, Built, build_server
 from phasescope.serve.config import Settings
 from phasescope.serve.engine_protocol.requests import sampling_message
@@ -50,6 +50,10 @@ logger = logging.getLogger(__name__)
 RECORD_WAIT_SECONDS = 2.0
 """How long a request's end waits for its engine record (the core publishes it within a gathering, 50 ms)."""
 START_TIMEOUT_SECONDS = 600.0
+NO_ADAPTERS = (
+    "behind smg's Rust request path no LoRA adapter can be served: vLLM's engine protocol has no field for one and "
+    "the Rust server passes no metadata on (serve adapters with --front-end python)"
+)
 
 
 class EngineRequestFailedError(RuntimeError):
@@ -127,9 +131,21 @@ class RustWorkerEngine:
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         return self._text.tokenize(parsed)
 
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        return ()
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        raise NotConfiguredError("name", NO_ADAPTERS)
+
+    async def unload_adapter(self, name: str) -> Adapter:
+        raise NotConfiguredError("name", NO_ADAPTERS)
+
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, adapter: str = ""
     ) -> AsyncGenerator[EngineStep, None]:
+        if adapter:
+            raise NotConfiguredError("adapter", NO_ADAPTERS)
         # Refused now, naming the field: vLLM's rules, and what the protocol cannot carry.
         params = self._text.check(sampling)
         request = pb.GenerateRequest(

@@ -7,10 +7,12 @@ import asyncio
 import grpc
 
 from phasescope.errors import (
+    AlreadyExistsError,
     ClientLimitError,
     EngineUnavailableError,
     InvalidRequestError,
     NotConfiguredError,
+    NotFoundError,
     NotOfferedError,
     NotReadyError,
     OverloadedError,
@@ -24,6 +26,10 @@ _TABLE: tuple[tuple[type[BaseException], grpc.StatusCode, str | None], ...] = (
     (InvalidRequestError, grpc.StatusCode.INVALID_ARGUMENT, "invalid_argument"),
     # Served by a worker started otherwise (e.g. KV-transfer parameters without --kv-transfer-config).
     (NotConfiguredError, grpc.StatusCode.FAILED_PRECONDITION, "not_configured"),
+    # Names what the worker does not serve (a LoRA adapter it has not loaded).
+    (NotFoundError, grpc.StatusCode.NOT_FOUND, "not_found"),
+    # Only LoadAdapter raises it: no generation request is refused with it.
+    (AlreadyExistsError, grpc.StatusCode.ALREADY_EXISTS, None),
     (ClientLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED, "client_limit"),
     (OverloadedError, grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded"),
     # A watcher is no request: refusing one is not counted as a rejected request.

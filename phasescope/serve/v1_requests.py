@@ -58,6 +58,7 @@ def decode_generate(request: pb.GenerateRequest | UndecodableRequest, limits: Mo
         truncate_prompt_tokens=sampling.truncate_prompt_tokens if sampling.HasField("truncate_prompt_tokens") else None,
         detokenize=not request.token_ids_only,
         stream_interval=request.stream_interval or None,
+        adapter=request.adapter,
     )
 
 

@@ -485,6 +485,7 @@ class GenerateRequest(_message.Message):
     SAMPLING_FIELD_NUMBER: _builtins.int
     TOKEN_IDS_ONLY_FIELD_NUMBER: _builtins.int
     STREAM_INTERVAL_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """Chosen by the client for its own correlation; the server makes one when empty."""
     prompt: _builtins.str
@@ -501,6 +502,11 @@ class GenerateRequest(_message.Message):
     stream_interval). Fewer messages per token at accelerator token rates,
     at the price of coarser arrival. 0: the server's --stream-interval; a
     request may ask for more than the server's, never fewer.
+    """
+    adapter: _builtins.str
+    """The LoRA adapter to run the request with, by the name it is served under
+    (--lora-modules, LoadAdapter); empty: the base model. One not served is
+    NOT_FOUND; on a server that runs no adapters, FAILED_PRECONDITION.
     """
     @_builtins.property
     def chat(self) -> Global___Chat:
@@ -520,10 +526,11 @@ class GenerateRequest(_message.Message):
         sampling: Global___SamplingParams | None = ...,
         token_ids_only: _builtins.bool = ...,
         stream_interval: _builtins.int = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "sampling", b"sampling", "token_ids", b"token_ids"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stream_interval", b"stream_interval", "token_ids", b"token_ids", "token_ids_only", b"token_ids_only"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "chat", b"chat", "input", b"input", "prompt", b"prompt", "request_id", b"request_id", "sampling", b"sampling", "stream_interval", b"stream_interval", "token_ids", b"token_ids", "token_ids_only", b"token_ids_only"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     _WhichOneofReturnType_input: _TypeAlias = _typing.Literal["prompt", "chat", "token_ids"]  # noqa: Y015
     _WhichOneofArgType_input: _TypeAlias = _typing.Literal["input", b"input"]  # noqa: Y015
@@ -929,6 +936,9 @@ class ModelInfo(_message.Message):
     KV_CONNECTOR_FIELD_NUMBER: _builtins.int
     KV_ROLE_FIELD_NUMBER: _builtins.int
     KV_ENGINE_ID_FIELD_NUMBER: _builtins.int
+    MAX_LORAS_FIELD_NUMBER: _builtins.int
+    MAX_LORA_RANK_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     model_name: _builtins.str
     """The name clients and metrics know the model by."""
     model_path: _builtins.str
@@ -995,6 +1005,14 @@ class ModelInfo(_message.Message):
     """
     kv_role: _builtins.str
     kv_engine_id: _builtins.str
+    max_loras: _builtins.int
+    """LoRA (--lora-modules, --allow-adapter-updates): the distinct adapters one step
+    can run (vLLM's max_loras; 0: LoRA is off), the largest rank it takes, and the
+    adapters served now.
+    """
+    max_lora_rank: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]: ...
     def __init__(
         self,
         *,
@@ -1028,14 +1046,144 @@ class ModelInfo(_message.Message):
         kv_connector: _builtins.str = ...,
         kv_role: _builtins.str = ...,
         kv_engine_id: _builtins.str = ...,
+        max_loras: _builtins.int = ...,
+        max_lora_rank: _builtins.int = ...,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "kv_connector", b"kv_connector", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role", "max_context_length", b"max_context_length", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "speculative_draft_model", b"speculative_draft_model", "speculative_method", b"speculative_method", "speculative_tokens", b"speculative_tokens", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["active_parameter_count", b"active_parameter_count", "adapters", b"adapters", "data_parallel_size", b"data_parallel_size", "device", b"device", "device_flops_per_token", b"device_flops_per_token", "device_kv_cache_bytes_per_token", b"device_kv_cache_bytes_per_token", "device_weight_bytes", b"device_weight_bytes", "dtype", b"dtype", "engine", b"engine", "engine_version", b"engine_version", "flops_per_token", b"flops_per_token", "hardware", b"hardware", "kv_cache_bytes_per_token", b"kv_cache_bytes_per_token", "kv_connector", b"kv_connector", "kv_engine_id", b"kv_engine_id", "kv_role", b"kv_role", "max_context_length", b"max_context_length", "max_lora_rank", b"max_lora_rank", "max_loras", b"max_loras", "model_name", b"model_name", "model_path", b"model_path", "parameter_count", b"parameter_count", "peak_flops", b"peak_flops", "peak_memory_bandwidth_bytes_per_second", b"peak_memory_bandwidth_bytes_per_second", "peak_source", b"peak_source", "pipeline_parallel_size", b"pipeline_parallel_size", "ridge_point_flops_per_byte", b"ridge_point_flops_per_byte", "speculative_draft_model", b"speculative_draft_model", "speculative_method", b"speculative_method", "speculative_tokens", b"speculative_tokens", "tensor_parallel_size", b"tensor_parallel_size", "vocab_size", b"vocab_size", "weight_bytes", b"weight_bytes"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___ModelInfo: _TypeAlias = ModelInfo  # noqa: Y015
+
+@_typing.final
+class AdapterInfo(_message.Message):
+    """A LoRA adapter served over the base model."""
+
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    RANK_FIELD_NUMBER: _builtins.int
+    ALPHA_FIELD_NUMBER: _builtins.int
+    TARGET_MODULES_FIELD_NUMBER: _builtins.int
+    BYTES_FIELD_NUMBER: _builtins.int
+    FLOPS_PER_TOKEN_FIELD_NUMBER: _builtins.int
+    DTYPE_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    """What requests select it by (GenerateRequest.adapter)."""
+    path: _builtins.str
+    """Its PEFT folder."""
+    rank: _builtins.int
+    alpha: _builtins.float
+    bytes: _builtins.int
+    """Every A and B matrix as stored: what a step that runs it reads."""
+    flops_per_token: _builtins.float
+    """2 x rank x (inputs + outputs) of every adapted projection of every layer."""
+    dtype: _builtins.str
+    """The stored element type of its matrices (safetensors' name, e.g. "BF16")."""
+    @_builtins.property
+    def target_modules(self) -> _containers.RepeatedScalarFieldContainer[_builtins.str]:
+        """The projections it adapts, e.g. ["q_proj", "v_proj"]."""
+
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+        rank: _builtins.int = ...,
+        alpha: _builtins.float = ...,
+        target_modules: _abc.Iterable[_builtins.str] | None = ...,
+        bytes: _builtins.int = ...,
+        flops_per_token: _builtins.float = ...,
+        dtype: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alpha", b"alpha", "bytes", b"bytes", "dtype", b"dtype", "flops_per_token", b"flops_per_token", "name", b"name", "path", b"path", "rank", b"rank", "target_modules", b"target_modules"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterInfo: _TypeAlias = AdapterInfo  # noqa: Y015
+
+@_typing.final
+class ListAdaptersRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    def __init__(
+        self,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersRequest: _TypeAlias = ListAdaptersRequest  # noqa: Y015
+
+@_typing.final
+class ListAdaptersResponse(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTERS_FIELD_NUMBER: _builtins.int
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterInfo]: ...
+    def __init__(
+        self,
+        *,
+        adapters: _abc.Iterable[Global___AdapterInfo] | None = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___ListAdaptersResponse: _TypeAlias = ListAdaptersResponse  # noqa: Y015
+
+@_typing.final
+class LoadAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    PATH_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    path: _builtins.str
+    """A PEFT folder (adapter_config.json, adapter_model.safetensors) on the server."""
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+        path: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name", "path", b"path"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___LoadAdapterRequest: _TypeAlias = LoadAdapterRequest  # noqa: Y015
+
+@_typing.final
+class UnloadAdapterRequest(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    NAME_FIELD_NUMBER: _builtins.int
+    name: _builtins.str
+    def __init__(
+        self,
+        *,
+        name: _builtins.str = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["name", b"name"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___UnloadAdapterRequest: _TypeAlias = UnloadAdapterRequest  # noqa: Y015
 
 @_typing.final
 class WatchTelemetryRequest(_message.Message):

@@ -59,6 +59,21 @@ class InferenceStub:
                 request_serializer=phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.SerializeToString,
                 response_deserializer=phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.FromString,
                 _registered_method=True)
+        self.ListAdapters = channel.unary_unary(
+                '/phasescope.v1.Inference/ListAdapters',
+                request_serializer=phasescope_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
+                response_deserializer=phasescope_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
+                _registered_method=True)
+        self.LoadAdapter = channel.unary_unary(
+                '/phasescope.v1.Inference/LoadAdapter',
+                request_serializer=phasescope_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+                response_deserializer=phasescope_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
+                _registered_method=True)
+        self.UnloadAdapter = channel.unary_unary(
+                '/phasescope.v1.Inference/UnloadAdapter',
+                request_serializer=phasescope_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+                response_deserializer=phasescope_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
+                _registered_method=True)
 
 
 class InferenceServicer:
@@ -102,6 +117,32 @@ class InferenceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListAdapters(self, request, context):
+        """The LoRA adapters served now, with what each costs.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def LoadAdapter(self, request, context):
+        """Checks a PEFT adapter folder against the base model and serves it under a
+        name. Refused (FAILED_PRECONDITION) unless the server was started with
+        --allow-adapter-updates; a folder that is no adapter, a rank above
+        --max-lora-rank or an adapter of another base model is INVALID_ARGUMENT
+        naming `path`; a name already served, ALREADY_EXISTS naming `name`.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnloadAdapter(self, request, context):
+        """Stops serving an adapter (requests running with it finish). Refused unless
+        --allow-adapter-updates; a name not served is NOT_FOUND.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_InferenceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -129,6 +170,21 @@ def add_InferenceServicer_to_server(servicer, server):
                     servicer.WatchTelemetry,
                     request_deserializer=phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.FromString,
                     response_serializer=phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.SerializeToString,
+            ),
+            'ListAdapters': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListAdapters,
+                    request_deserializer=phasescope_dot_v1_dot_inference__pb2.ListAdaptersRequest.FromString,
+                    response_serializer=phasescope_dot_v1_dot_inference__pb2.ListAdaptersResponse.SerializeToString,
+            ),
+            'LoadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.LoadAdapter,
+                    request_deserializer=phasescope_dot_v1_dot_inference__pb2.LoadAdapterRequest.FromString,
+                    response_serializer=phasescope_dot_v1_dot_inference__pb2.AdapterInfo.SerializeToString,
+            ),
+            'UnloadAdapter': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnloadAdapter,
+                    request_deserializer=phasescope_dot_v1_dot_inference__pb2.UnloadAdapterRequest.FromString,
+                    response_serializer=phasescope_dot_v1_dot_inference__pb2.AdapterInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -266,6 +322,87 @@ class Inference:
             '/phasescope.v1.Inference/WatchTelemetry',
             phasescope_dot_v1_dot_inference__pb2.WatchTelemetryRequest.SerializeToString,
             phasescope_dot_v1_dot_inference__pb2.TelemetrySnapshot.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListAdapters(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phasescope.v1.Inference/ListAdapters',
+            phasescope_dot_v1_dot_inference__pb2.ListAdaptersRequest.SerializeToString,
+            phasescope_dot_v1_dot_inference__pb2.ListAdaptersResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LoadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phasescope.v1.Inference/LoadAdapter',
+            phasescope_dot_v1_dot_inference__pb2.LoadAdapterRequest.SerializeToString,
+            phasescope_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnloadAdapter(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/phasescope.v1.Inference/UnloadAdapter',
+            phasescope_dot_v1_dot_inference__pb2.UnloadAdapterRequest.SerializeToString,
+            phasescope_dot_v1_dot_inference__pb2.AdapterInfo.FromString,
             options,
             channel_credentials,
             insecure,

@@ -49,6 +49,19 @@ class InferenceStub:
     snapshots (none are queued for it). Beyond --max-watchers at once:
     RESOURCE_EXHAUSTED.
     """
+    ListAdapters: _grpc.UnaryUnaryMultiCallable[_inference_pb2.ListAdaptersRequest, _inference_pb2.ListAdaptersResponse]
+    """The LoRA adapters served now, with what each costs."""
+    LoadAdapter: _grpc.UnaryUnaryMultiCallable[_inference_pb2.LoadAdapterRequest, _inference_pb2.AdapterInfo]
+    """Checks a PEFT adapter folder against the base model and serves it under a
+    name. Refused (FAILED_PRECONDITION) unless the server was started with
+    --allow-adapter-updates; a folder that is no adapter, a rank above
+    --max-lora-rank or an adapter of another base model is INVALID_ARGUMENT
+    naming `path`; a name already served, ALREADY_EXISTS naming `name`.
+    """
+    UnloadAdapter: _grpc.UnaryUnaryMultiCallable[_inference_pb2.UnloadAdapterRequest, _inference_pb2.AdapterInfo]
+    """Stops serving an adapter (requests running with it finish). Refused unless
+    --allow-adapter-updates; a name not served is NOT_FOUND.
+    """
 
 @_typing.type_check_only
 class InferenceAsyncStub(InferenceStub):
@@ -66,6 +79,19 @@ class InferenceAsyncStub(InferenceStub):
     interval, until the client cancels. A watcher that does not read misses
     snapshots (none are queued for it). Beyond --max-watchers at once:
     RESOURCE_EXHAUSTED.
+    """
+    ListAdapters: _aio.UnaryUnaryMultiCallable[_inference_pb2.ListAdaptersRequest, _inference_pb2.ListAdaptersResponse]  # type: ignore[assignment]
+    """The LoRA adapters served now, with what each costs."""
+    LoadAdapter: _aio.UnaryUnaryMultiCallable[_inference_pb2.LoadAdapterRequest, _inference_pb2.AdapterInfo]  # type: ignore[assignment]
+    """Checks a PEFT adapter folder against the base model and serves it under a
+    name. Refused (FAILED_PRECONDITION) unless the server was started with
+    --allow-adapter-updates; a folder that is no adapter, a rank above
+    --max-lora-rank or an adapter of another base model is INVALID_ARGUMENT
+    naming `path`; a name already served, ALREADY_EXISTS naming `name`.
+    """
+    UnloadAdapter: _aio.UnaryUnaryMultiCallable[_inference_pb2.UnloadAdapterRequest, _inference_pb2.AdapterInfo]  # type: ignore[assignment]
+    """Stops serving an adapter (requests running with it finish). Refused unless
+    --allow-adapter-updates; a name not served is NOT_FOUND.
     """
 
 class InferenceServicer(metaclass=_abc_1.ABCMeta):
@@ -111,6 +137,37 @@ class InferenceServicer(metaclass=_abc_1.ABCMeta):
         interval, until the client cancels. A watcher that does not read misses
         snapshots (none are queued for it). Beyond --max-watchers at once:
         RESOURCE_EXHAUSTED.
+        """
+
+    @_abc_1.abstractmethod
+    def ListAdapters(
+        self,
+        request: _inference_pb2.ListAdaptersRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.ListAdaptersResponse, _abc.Awaitable[_inference_pb2.ListAdaptersResponse]]:
+        """The LoRA adapters served now, with what each costs."""
+
+    @_abc_1.abstractmethod
+    def LoadAdapter(
+        self,
+        request: _inference_pb2.LoadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.AdapterInfo, _abc.Awaitable[_inference_pb2.AdapterInfo]]:
+        """Checks a PEFT adapter folder against the base model and serves it under a
+        name. Refused (FAILED_PRECONDITION) unless the server was started with
+        --allow-adapter-updates; a folder that is no adapter, a rank above
+        --max-lora-rank or an adapter of another base model is INVALID_ARGUMENT
+        naming `path`; a name already served, ALREADY_EXISTS naming `name`.
+        """
+
+    @_abc_1.abstractmethod
+    def UnloadAdapter(
+        self,
+        request: _inference_pb2.UnloadAdapterRequest,
+        context: _ServicerContext,
+    ) -> _typing.Union[_inference_pb2.AdapterInfo, _abc.Awaitable[_inference_pb2.AdapterInfo]]:
+        """Stops serving an adapter (requests running with it finish). Refused unless
+        --allow-adapter-updates; a name not served is NOT_FOUND.
         """
 
 def add_InferenceServicer_to_server(servicer: InferenceServicer, server: _typing.Union[_grpc.Server, _aio.Server]) -> None: ...

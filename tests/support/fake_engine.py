@@ -14,15 +14,20 @@ import asyncio
 import time
 from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
-from phasescope.engine.base import EngineStep, KvConnector, ModelDescription, TokenLogprob
+from phasescope.engine.base import Adapter, EngineStep, KvConnector, ModelDescription, TokenLogprob
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
-from phasescope.errors import InvalidRequestError
+from phasescope.errors import AlreadyExistsError, InvalidRequestError, NotConfiguredError, NotFoundError
+from phasescope.telemetry.model.adapter import AdapterError, read_adapter
 from phasescope.telemetry.model.cost import model_cost_from_config
 from phasescope.telemetry.request.phases import EngineTimestamps
 
-CONFIG = {"hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2}
+CONFIG = {
+    "hidden_size": 64, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2,
+    "intermediate_size": 128,
+}  # fmt: skip
 VOCABULARY = 1_000
 
 
@@ -68,9 +73,11 @@ class ScriptedEngine:
         refuse_temperature_above: float = 2.0,
         model_path: str = "/scripted",
         kv_connector: KvConnector | None = None,
+        max_loras: int = 0,
     ) -> None:
         """`kv_connector`: the engine runs that KV connector (--kv-transfer-config), so requests may carry
-        KV-transfer parameters (each request's are in `sampling`)."""
+        KV-transfer parameters (each request's are in `sampling`). `max_loras` > 0: it runs LoRA adapters, each
+        folder read against its CONFIG (`load_adapter`); each request's adapter is in `adapter_of`."""
         self._script_for = script_for
         self._refuse_temperature_above = refuse_temperature_above
         self.dead = False
@@ -81,6 +88,8 @@ class ScriptedEngine:
         """Each started request's sampling, as the engine was asked for it."""
         self.aborted: list[str] = []
         self.finished: list[str] = []
+        self.served_adapters: dict[str, Adapter] = {}
+        self.adapter_of: dict[str, str] = {}
         cost = model_cost_from_config(CONFIG, parameter_count=1_000_000, dtype="float32")
         self._limits = ModelLimits(max_model_len=max_model_len, vocab_size=VOCABULARY, max_chars_per_token=8)
         self._description = ModelDescription(
@@ -106,6 +115,8 @@ class ScriptedEngine:
             kv_cache_capacity_tokens=4096,
             kv_cache_block_size=16,
             kv_connector=kv_connector,
+            max_loras=max_loras,
+            max_lora_rank=16 if max_loras else 0,
         )
         self.prefix_cache_resets = 0
         self._aborts: dict[str, asyncio.Event] = {}
@@ -129,9 +140,33 @@ class ScriptedEngine:
         text = parsed.prompt if parsed.kind == "prompt" else " ".join(turn.content for turn in parsed.chat)
         return [len(word) % VOCABULARY for word in text.split()] or [1]
 
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        return tuple(self.served_adapters.values())
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        if not self._description.max_loras:
+            raise NotConfiguredError("name", "this worker runs no adapters")
+        if name in self.served_adapters:
+            raise AlreadyExistsError("name", f"an adapter named {name!r} is served already")
+        try:
+            shape = read_adapter(Path(path), CONFIG, self._description.max_lora_rank)
+        except AdapterError as exc:
+            raise InvalidRequestError("path", str(exc)) from exc
+        adapter = self.served_adapters[name] = Adapter(name, path, shape)
+        return adapter
+
+    async def unload_adapter(self, name: str) -> Adapter:
+        if name not in self.served_adapters:
+            raise NotFoundError("name", f"no adapter named {name!r} is served")
+        return self.served_adapters.pop(name)
+
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, adapter: str = ""
     ) -> AsyncGenerator[EngineStep, None]:
+        if adapter and adapter not in self.served_adapters:
+            raise NotFoundError("adapter", f"no adapter named {adapter!r} is served")
+        self.adapter_of[request_id] = adapter
         if sampling.temperature is not None and sampling.temperature > self._refuse_temperature_above:
             raise InvalidRequestError("sampling.temperature", f"must be at most {self._refuse_temperature_above:g}")
         if sampling.n > 1:

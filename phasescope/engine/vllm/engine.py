@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from phasescope.engine.base import (
+    Adapter,
     EngineConfigError,
     EngineOptions,
     EngineStep,
@@ -38,7 +39,14 @@ from phasescope.engine.vllm.core_telemetry import telemetry_scheduler
 from phasescope.engine.vllm.model_facts import device_name, draft_cost, drafts_with_model, model_cost
 from phasescope.engine.vllm.stats import vllm_prometheus_logger
 from phasescope.environment import export_telemetry_endpoint
-from phasescope.errors import EngineUnavailableError, InvalidRequestError
+from phasescope.errors import (
+    AlreadyExistsError,
+    EngineUnavailableError,
+    InvalidRequestError,
+    NotConfiguredError,
+    NotFoundError,
+)
+from phasescope.telemetry.model.adapter import AdapterError, read_adapter
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.request.phases import EngineTimestamps, KvTransferFigures
 from phasescope.telemetry.step.records import StepForwarder
@@ -323,6 +331,10 @@ def engine_arguments(options: EngineOptions, model_path: str, served_model_name:
         kv_transfer_config=kv_transfer.engine_config if kv_transfer is not None else None,  # type: ignore[arg-type]  # vLLM's config validation takes the object's JSON as its CLI does
         # vLLM decides this from the connector's class: phasescope's wrapper would always say yes.
         disable_hybrid_kv_cache_manager=True if kv_transfer is not None and not kv_transfer.hybrid_allocator else None,
+        enable_lora=options.lora,
+        max_loras=options.max_loras,
+        max_lora_rank=options.max_lora_rank,  # type: ignore[arg-type]  # the settings admit only vLLM's ranks
+        max_cpu_loras=options.max_cpu_loras,
     )
     return engine_args, kv_transfer
 
@@ -368,6 +380,8 @@ def describe(
             (parallel.tensor_parallel_size, parallel.pipeline_parallel_size),
         ),
         kv_connector=kv_connector,
+        max_loras=int(vllm_config.lora_config.max_loras) if vllm_config.lora_config is not None else 0,
+        max_lora_rank=int(vllm_config.lora_config.max_lora_rank) if vllm_config.lora_config is not None else 0,
         **_model_facts(vllm_config),
     )
 
@@ -435,11 +449,83 @@ def sampling_params(spec: SamplingSpec, defaults: dict[str, Any]) -> Any:
         raise InvalidRequestError(f"sampling.{parameter}" if parameter else "sampling", str(exc)) from exc
 
 
+@dataclass(frozen=True, slots=True)
+class _Served:
+    """An adapter the engine serves, and vLLM's request for it (its id is vLLM's key for the loaded weights)."""
+
+    adapter: Adapter
+    request: Any
+
+
+class Adapters:
+    """The LoRA adapters one engine serves, by name: each checked against the base model before vLLM sees it (a
+    folder vLLM fails to load at a step would end the engine core)."""
+
+    def __init__(self, enabled: bool, base_config: dict[str, Any], max_rank: int) -> None:
+        self.enabled = enabled
+        self._base_config = base_config
+        self._max_rank = max_rank
+        self._served: dict[str, _Served] = {}
+        self._next_id = 1
+
+    def check(self, name: str, path: str) -> _Served:
+        """vLLM's request for a new adapter `name` in `path`, checked (AdapterError, one line, when it is refused)."""
+        from vllm.lora.request import LoRARequest
+
+        shape = read_adapter(Path(path), self._base_config, self._max_rank)
+        request = LoRARequest(lora_name=name, lora_int_id=self._next_id, lora_path=str(Path(path).resolve()))
+        self._next_id += 1
+        return _Served(Adapter(name, str(Path(path).resolve()), shape), request)
+
+    def add(self, served: _Served) -> Adapter:
+        self._served[served.adapter.name] = served
+        return served.adapter
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._served
+
+    def remove(self, name: str) -> _Served:
+        return self._served.pop(name)
+
+    def request(self, name: str) -> Any:
+        """vLLM's LoRARequest for a served adapter (None for the base model); NotFoundError for another name."""
+        if not name:
+            return None
+        served = self._served.get(name)
+        if served is None:
+            raise NotFoundError("adapter", self.unknown(name))
+        return served.request
+
+    def unknown(self, name: str) -> str:
+        names = ", ".join(sorted(self._served)) or "none"
+        return f"no adapter named {name!r} is served (served: {names})"
+
+    @property
+    def all(self) -> tuple[Adapter, ...]:
+        return tuple(served.adapter for served in self._served.values())
+
+    @property
+    def requests(self) -> tuple[Any, ...]:
+        return tuple(served.request for served in self._served.values())
+
+
+def _initial_adapters(options: EngineOptions, base_config: dict[str, Any]) -> Adapters:
+    """The adapters of --lora-modules, each checked: what is refused is one `EngineConfigError` line naming it."""
+    adapters = Adapters(options.lora, base_config, options.max_lora_rank)
+    for name, path in options.lora_modules:
+        try:
+            adapters.add(adapters.check(name, path))
+        except AdapterError as exc:
+            raise EngineConfigError(f"--lora-modules: {name}={path}: {exc}") from exc
+    return adapters
+
+
 class VllmEngine:
     """One `AsyncLLM` (with its engine-core processes) serving one model."""
 
-    def __init__(self, llm: Any, description: ModelDescription, hub: StepHub) -> None:
+    def __init__(self, llm: Any, description: ModelDescription, hub: StepHub, adapters: Adapters | None = None) -> None:
         self._llm = llm
+        self._adapters = adapters or Adapters(False, {}, 0)
         # Where the engine cores' step reports arrive (phasescope.engine.vllm.core_telemetry publishes them).
         self._hub = hub
         self._description = description
@@ -476,6 +562,8 @@ class VllmEngine:
 
         engine_args, kv_transfer = engine_arguments(options, model_path, served_model_name)
         vllm_config = engine_config(engine_args)
+        # Checked before any engine process starts: a bad folder costs no start-up.
+        adapters = _initial_adapters(options, vllm_config.model_config.hf_config.to_dict())
         # Each engine core reports its steps where they run: phasescope's scheduler publishes to this hub.
         scheduler_config = vllm_config.scheduler_config
         scheduler_config.scheduler_cls = telemetry_scheduler(bool(scheduler_config.async_scheduling))
@@ -497,7 +585,7 @@ class VllmEngine:
                 kv_connector=_kv_connector(kv_transfer.given if kv_transfer is not None else None),
                 kv_event_publishers=_kv_event_publishers(llm),
             )
-            engine = cls(llm, description, hub)
+            engine = cls(llm, description, hub, adapters)
         except BaseException:
             llm.shutdown()
             hub.close()
@@ -525,24 +613,64 @@ class VllmEngine:
     def tokenize(self, parsed: ParsedInput) -> list[int]:
         return tokenize_input(self._tokenizer, parsed)
 
+    @property
+    def adapters(self) -> tuple[Adapter, ...]:
+        return self._adapters.all
+
+    async def load_adapter(self, name: str, path: str) -> Adapter:
+        if not self._adapters.enabled:
+            raise NotConfiguredError("name", "this worker runs no adapters (start it with --allow-adapter-updates)")
+        if name in self._adapters:
+            raise AlreadyExistsError("name", f"an adapter named {name!r} is served already (unload it first)")
+        try:
+            served = self._adapters.check(name, path)
+        except AdapterError as exc:
+            raise InvalidRequestError("path", str(exc)) from exc
+        await self._preload(served.request)
+        return self._adapters.add(served)
+
+    async def _preload(self, request: Any) -> None:
+        """Load an adapter's weights into the engine now (a failure here is the engine's answer, not its end)."""
+        try:
+            loaded = await self._llm.add_lora(request)
+        except Exception as exc:  # the engine core's utility call reports the worker's failure
+            raise InvalidRequestError("path", f"the engine could not load it: {exc}") from exc
+        if loaded is False:
+            raise InvalidRequestError("path", "the engine could not load it")
+
+    async def unload_adapter(self, name: str) -> Adapter:
+        if name not in self._adapters:
+            raise NotFoundError("name", self._adapters.unknown(name))
+        served = self._adapters.remove(name)
+        await self._llm.remove_lora(served.request.lora_int_id)
+        return served.adapter
+
     def _sampling_params(self, spec: SamplingSpec) -> Any:
         return sampling_params(spec, self._default_sampling)
 
     def generate(
-        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec
+        self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, adapter: str = ""
     ) -> AsyncGenerator[EngineStep, None]:
-        # Built now, not at the first step: sampling the engine refuses raises here.
+        # Built now, not at the first step: sampling the engine refuses raises here, as does an adapter it does not
+        # serve (unloaded since the request was checked).
         params = self._sampling_params(sampling)
+        lora = self._adapters.request(adapter)
         # What the engine's own refusals name when they name no parameter: a structured output's field
         # (its grammar compiler's message says what is wrong with it).
         unnamed = sampling.structured.field if sampling.structured is not None else "request"
         prompt = prompt_token_ids
         if sampling.n == 1:
-            return self._steps(request_id, prompt, params, unnamed, sampling.logprobs, sampling.prompt_logprobs)
-        return self._sampled(request_id, prompt, _sample_params(params), unnamed, sampling)
+            return self._steps(request_id, prompt, params, unnamed, sampling.logprobs, sampling.prompt_logprobs, lora)
+        return self._sampled(request_id, prompt, _sample_params(params), unnamed, sampling, lora)
 
     async def _sampled(
-        self, request_id: str, prompt_token_ids: list[int], params: list[Any], unnamed: str, sampling: SamplingSpec
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: list[Any],
+        unnamed: str,
+        sampling: SamplingSpec,
+        lora: Any,
     ) -> AsyncGenerator[EngineStep, None]:
         """The n samples as n engine requests, their steps interleaved as they come.
 
@@ -559,7 +687,7 @@ class VllmEngine:
             # Prompt log probabilities once, with the first sample: every sample's are the same.
             prompt_logprobs = sampling.prompt_logprobs if index == 0 else None
             sample_steps = self._steps(
-                ids[index], prompt_token_ids, params[index], unnamed, sampling.logprobs, prompt_logprobs
+                ids[index], prompt_token_ids, params[index], unnamed, sampling.logprobs, prompt_logprobs, lora
             )
             try:
                 async with aclosing(sample_steps) as sample:
@@ -598,6 +726,7 @@ class VllmEngine:
         unnamed: str,
         logprobs: int | None,
         prompt_logprobs: int | None,
+        lora: Any = None,
     ) -> AsyncGenerator[EngineStep, None]:
         from vllm.exceptions import VLLMClientError
         from vllm.v1.engine.exceptions import EngineDeadError
@@ -608,7 +737,7 @@ class VllmEngine:
             # A rendered token input (the text was tokenised off the loop already); its outputs are read from the
             # request's collector, as `AsyncLLM.generate` reads them.
             prompt = {"type": "token", "prompt_token_ids": prompt_token_ids}
-            collector = await llm.add_request(request_id, prompt, params)
+            collector = await llm.add_request(request_id, prompt, params, lora_request=lora)
             engine_index: int | None = None
             finished = False
             while not finished:
@@ -702,7 +831,15 @@ class VllmEngine:
         return bool(await self._llm.reset_prefix_cache())
 
     async def warm_up(self) -> None:
-        """Run one tiny request so the first client does not pay for lazy initialisation."""
+        """Load the adapters of --lora-modules, and run one tiny request so the first client does not pay for lazy
+        initialisation."""
+        for adapter in self._adapters.all:
+            try:
+                await self._preload(self._adapters.request(adapter.name))
+            except InvalidRequestError as exc:
+                # Checked already (`_initial_adapters`): vLLM refusing it after all must not end a step later.
+                self._adapters.remove(adapter.name)
+                logger.error("adapter %s (%s) is not served: %s", adapter.name, adapter.path, exc)
         prompt = self.tokenize(ParsedInput("prompt", prompt="Hello"))
         spec = SamplingSpec(max_tokens=2, temperature=0.0, ignore_eos=True)
         async for _ in self.generate(f"warmup-{uuid.uuid4().hex}", prompt, spec):

@@ -29,10 +29,16 @@ from phasescope.serve.validation import (
 PREFIX = "sampling_params."
 
 
+ADAPTER_METADATA_KEY = "phasescope-adapter"
+"""The gRPC metadata key that selects a LoRA adapter on vLLM's engine protocol, whose GenerateRequest has no field
+for one (smg 1.13 sends none: a client of the protocol sets it itself)."""
+
+
 def decode_generate(
-    request: pb.GenerateRequest | UndecodableRequest, limits: ModelLimits, data_parallel_size: int
+    request: pb.GenerateRequest | UndecodableRequest, limits: ModelLimits, data_parallel_size: int, adapter: str = ""
 ) -> GenerationAsk:
-    """The request as the request path takes it, or INVALID_ARGUMENT naming what cannot be served."""
+    """The request as the request path takes it, or INVALID_ARGUMENT naming what cannot be served; `adapter`: the
+    LoRA adapter its metadata (ADAPTER_METADATA_KEY) names."""
     if isinstance(request, UndecodableRequest):
         raise InvalidRequestError(request.field, request.reason)
     for field in ("mm_inputs", "media_refs"):
@@ -76,6 +82,8 @@ def decode_generate(
         max_tokens_past_context=True,
         abortable=True,
         kv_transfer=kv_transfer,
+        adapter=adapter,
+        adapter_field=f"metadata {ADAPTER_METADATA_KEY}",
     )
 
 

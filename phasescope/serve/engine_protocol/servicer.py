@@ -40,7 +40,7 @@ from phasescope.engine.request import ModelLimits
 from phasescope.errors import NotOfferedError
 from phasescope.serve.engine_protocol.facts import TokenizerBundle, model_info, server_info, tokenizer_chunks
 from phasescope.serve.engine_protocol.loads import engine_load, scheduler_loads
-from phasescope.serve.engine_protocol.requests import decode_generate
+from phasescope.serve.engine_protocol.requests import ADAPTER_METADATA_KEY, decode_generate
 from phasescope.serve.path import GenerationAsk, Output, RequestEnd, RequestPath, ServicerContext
 from phasescope.serve.timings import TIMINGS_METADATA_KEY, timings_message
 from phasescope.serve.validation import UndecodableRequest, decoder
@@ -70,8 +70,12 @@ class VllmEngineServicer:
         streaming = not isinstance(request, UndecodableRequest) and request.stream
         path = self._path
 
+        adapter = next(
+            (str(value) for key, value in context.invocation_metadata() or () if key == ADAPTER_METADATA_KEY), ""
+        )
+
         def decode(limits: ModelLimits) -> GenerationAsk:
-            return decode_generate(request, limits, path.ready_engine().description.data_parallel_size)
+            return decode_generate(request, limits, path.ready_engine().description.data_parallel_size, adapter)
 
         async with aclosing(path.generate(streaming, context, decode)) as outputs:
             if streaming:

@@ -370,7 +370,9 @@ def _integer(config: Mapping[str, object], *names: str) -> int | None:
 
 
 @dataclass(frozen=True, slots=True)
-class _Shape:
+class ModelShape:
+    """A decoder's dimensions, as its config gives them."""
+
     layers: int
     hidden: int
     heads: int
@@ -379,9 +381,17 @@ class _Shape:
     vocab: int
     model_type: str
     tied: bool
+    intermediate: int
+    """The dense MLP's width."""
 
 
-def _shape(config: Mapping[str, object]) -> _Shape:
+def model_shape(config: Mapping[str, object]) -> ModelShape:
+    """The dimensions of a Hugging Face config (a multimodal one's language model); ValueError naming what it
+    lacks."""
+    return _shape(_language_config(config))
+
+
+def _shape(config: Mapping[str, object]) -> ModelShape:
     required = {
         "num_hidden_layers": _integer(config, "num_hidden_layers", "n_layer", "num_layers"),
         "hidden_size": _integer(config, "hidden_size", "n_embd", "d_model"),
@@ -391,7 +401,7 @@ def _shape(config: Mapping[str, object]) -> _Shape:
     if missing:
         raise ValueError(f"the model config lacks {', '.join(missing)} (looked at the top level and text_config)")
     layers, hidden, heads = (value or 0 for value in required.values())
-    return _Shape(
+    return ModelShape(
         layers=layers,
         hidden=hidden,
         heads=heads,
@@ -400,6 +410,7 @@ def _shape(config: Mapping[str, object]) -> _Shape:
         vocab=_integer(config, "vocab_size") or 0,
         model_type=str(config.get("model_type") or ""),
         tied=bool(config.get("tie_word_embeddings", True)),
+        intermediate=_integer(config, "intermediate_size_mlp", "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden,
     )
 
 
@@ -448,8 +459,7 @@ def parameters_from_config(config: Mapping[str, object]) -> ParameterCount:
     s = _shape(config)
     if not s.vocab:
         raise ValueError("the model config lacks vocab_size, needed to count its parameters")
-    hidden = s.hidden
-    intermediate = _integer(config, "intermediate_size_mlp", "intermediate_size", "n_inner", "ffn_dim") or 4 * hidden
+    hidden, intermediate = s.hidden, s.intermediate
     matrices = 2 if s.model_type in _UNGATED_MLP else 3
 
     # Attention.

@@ -282,6 +282,8 @@ class RequestParameters:
     constraint: str = ""
     """The kind of its structured output (json_schema, regex, ...), or empty for none."""
     samples: int = 1
+    adapter: str = ""
+    """The LoRA adapter it ran with ("": the base model)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -127,6 +127,34 @@ def test_bad_settings_are_refused_at_start(argv: list[str], message: str) -> Non
         parse_settings(argv, environ={})
 
 
+def test_lora_modules_are_name_path_pairs_from_the_flag_or_one_variable_and_reach_the_engine() -> None:
+    argv = ["--lora-modules", "sql=/adapters/sql", "chat=/adapters/chat", "--max-loras", "2"]
+    options = parse_settings(argv, environ={}).engine_options()
+    assert options.lora_modules == (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
+    assert (options.lora, options.max_loras, options.max_lora_rank, options.max_cpu_loras) == (True, 2, 16, None)
+    from_env = parse_settings([], environ={"PHASESCOPE_LORA_MODULES": "sql=/adapters/sql chat=/adapters/chat"})
+    assert from_env.engine_options().lora_modules == options.lora_modules
+    assert parse_settings([], environ={}).engine_options().lora is False
+    assert parse_settings(["--allow-adapter-updates"], environ={}).engine_options().lora is True
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lora-modules", "sql"], "--lora-modules must be NAME=PATH pairs .* 'sql' is not one"),
+        (["--lora-modules", "other=/a"], "--lora-modules must be NAME=PATH pairs whose names are adapter names: base"),
+        (["--lora-modules", "a b=/a"], "an adapter name is 1 to 64 letters"),
+        (["--lora-modules", "sql=/a", "sql=/b"], "'sql' is named twice"),
+        (["--max-lora-rank", "7"], "--max-lora-rank must be one of 1, 8, 16, 32, 64, 128, 256, 320, 512"),
+        (["--front-end", "rust", "--lora-modules", "sql=/a"], "--front-end rust: smg's Rust request path carries no"),
+        (["--max-loras", "4", "--max-cpu-loras", "2"], r"--max-cpu-loras \(2\) must be at least --max-loras \(4\)"),
+    ],
+)
+def test_bad_lora_settings_are_refused_saying_what_is_wanted(argv: list[str], message: str) -> None:
+    with pytest.raises(SettingsError, match=message):
+        parse_settings(argv, environ={})
+
+
 def test_bad_environment_value_names_the_variable() -> None:
     with pytest.raises(SettingsError, match="PHASESCOPE_PORT"):
         parse_settings([], environ={"PHASESCOPE_PORT": "many"})

@@ -8,6 +8,7 @@ from phasescope.errors import (
     EngineUnavailableError,
     InvalidRequestError,
     NotConfiguredError,
+    NotFoundError,
     NotReadyError,
     OverloadedError,
 )
@@ -19,6 +20,7 @@ from phasescope.serve.status import rejection_reason, status_for, table
     [
         (InvalidRequestError("prompt", "must not be empty"), grpc.StatusCode.INVALID_ARGUMENT),
         (NotConfiguredError("kv_transfer_params", "no connector"), grpc.StatusCode.FAILED_PRECONDITION),
+        (NotFoundError("adapter", "no adapter named 'sql'"), grpc.StatusCode.NOT_FOUND),
         (OverloadedError("full"), grpc.StatusCode.RESOURCE_EXHAUSTED),
         (NotReadyError("starting"), grpc.StatusCode.UNAVAILABLE),
         (EngineUnavailableError("dead"), grpc.StatusCode.UNAVAILABLE),
@@ -42,6 +44,7 @@ def test_only_refusals_count_as_rejections() -> None:
     assert status_for(ClientLimitError("x")) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert rejection_reason(InvalidRequestError("f", "m")) == "invalid_argument"
     assert rejection_reason(NotConfiguredError("f", "m")) == "not_configured"
+    assert rejection_reason(NotFoundError("f", "m")) == "not_found"
     assert rejection_reason(NotReadyError("x")) == "not_ready"
     assert rejection_reason(RuntimeError("x")) is None
 

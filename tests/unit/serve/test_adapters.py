@@ -1,0 +1,107 @@
+"""LoRA adapters on both protocols, over the scripted engine: a request selects one by name, an adapter the
+worker does not serve is refused naming where it came from, and adapters are loaded and unloaded only where the
+operator allowed it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import grpc
+import pytest
+from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
+
+from phasescope.bench.adapters import write_lora_adapter
+from phasescope.client.client import build_request
+from support.fake_engine import CONFIG, ScriptedEngine
+from support.served import served
+
+
+def engine_request(request_id: str) -> vllm_pb.GenerateRequest:
+    return vllm_pb.GenerateRequest(
+        request_id=request_id,
+        tokenized=vllm_pb.TokenizedInput(input_ids=[5, 6, 7]),
+        sampling_params=vllm_pb.SamplingParams(max_tokens=2),
+    )
+
+
+async def test_a_request_runs_with_the_adapter_it_names_on_either_protocol(tmp_path: Path) -> None:
+    engine = ScriptedEngine(max_loras=2)
+    async with served(engine, allow_adapter_updates=True) as s:
+        folder = write_lora_adapter(tmp_path / "sql", CONFIG, rank=8)
+        info = await s.client.load_adapter("sql", str(folder))
+        assert (info.name, info.rank, list(info.target_modules)) == ("sql", 8, ["q_proj", "v_proj"])
+        await s.client.generate(build_request(prompt="a b", max_tokens=2, adapter="sql"))
+        await s.client.generate(build_request(prompt="a b", max_tokens=2))
+        responses = s.stub.Generate(engine_request("e-1"), metadata=(("phasescope-adapter", "sql"),))
+        async for _ in responses:
+            pass
+    assert list(engine.adapter_of.values()) == ["sql", "", "sql"]
+
+
+async def test_an_adapter_not_served_is_not_found_naming_the_field_and_what_is_served(tmp_path: Path) -> None:
+    engine = ScriptedEngine(max_loras=1)
+    async with served(engine, allow_adapter_updates=True) as s:
+        await s.client.load_adapter("sql", str(write_lora_adapter(tmp_path / "sql", CONFIG)))
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s.client.generate(build_request(prompt="a b", max_tokens=2, adapter="chat"))
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        assert caught.value.details() == "adapter: no adapter named 'chat' is served (served: sql)"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            async for _ in s.stub.Generate(engine_request("e-2"), metadata=(("phasescope-adapter", "chat"),)):
+                pass
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        assert (caught.value.details() or "").startswith("metadata phasescope-adapter: no adapter named 'chat'")
+        # Refused before the engine, and counted so; the server keeps serving.
+        assert s.value("phasescope_requests_rejected_total", reason="not_found") == 2
+        assert engine.started == []
+        await s.client.generate(build_request(prompt="a b", max_tokens=2))
+
+
+async def test_a_worker_without_lora_refuses_an_adapter_as_not_configured() -> None:
+    async with served(ScriptedEngine()) as s:
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s.client.generate(build_request(prompt="a b", max_tokens=2, adapter="sql"))
+    assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+    assert "adapter: this worker runs no LoRA adapters" in (caught.value.details() or "")
+
+
+async def test_loading_and_unloading_are_refused_unless_the_operator_allowed_updates(tmp_path: Path) -> None:
+    async with served(ScriptedEngine(max_loras=1)) as s:
+        for call in (
+            s.client.load_adapter("sql", str(write_lora_adapter(tmp_path, CONFIG))),
+            s.client.unload_adapter("sql"),
+        ):
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await call
+            assert caught.value.code() is grpc.StatusCode.FAILED_PRECONDITION
+            assert "--allow-adapter-updates" in (caught.value.details() or "")
+        assert await s.client.list_adapters() == []
+
+
+async def test_load_list_and_unload_and_each_refusal_names_its_field(tmp_path: Path) -> None:
+    engine = ScriptedEngine(max_loras=2)
+    async with served(engine, allow_adapter_updates=True) as s:
+        sql = str(write_lora_adapter(tmp_path / "sql", CONFIG, rank=8))
+        await s.client.load_adapter("sql", sql)
+        info = await s.client.model_info()
+        assert (info.max_loras, info.max_lora_rank, [a.name for a in info.adapters]) == (2, 16, ["sql"])
+        refusals = {
+            ("sql", sql): (grpc.StatusCode.ALREADY_EXISTS, "name: an adapter named 'sql' is served already"),
+            ("other", sql): (grpc.StatusCode.INVALID_ARGUMENT, "name: base and other are the series' own labels"),
+            ("bad name!", sql): (grpc.StatusCode.INVALID_ARGUMENT, "name: an adapter name is 1 to 64 letters"),
+            ("chat", ""): (grpc.StatusCode.INVALID_ARGUMENT, "path: must name the adapter's folder"),
+            ("chat", str(tmp_path / "none")): (grpc.StatusCode.INVALID_ARGUMENT, "path: "),
+            ("big", str(write_lora_adapter(tmp_path / "big", CONFIG, rank=32))): (
+                grpc.StatusCode.INVALID_ARGUMENT, "path: rank 32 is above the engine's --max-lora-rank 16",
+            ),
+        }  # fmt: skip
+        for (name, path), (code, details) in refusals.items():
+            with pytest.raises(grpc.aio.AioRpcError) as caught:
+                await s.client.load_adapter(name, path)
+            assert (caught.value.code(), (caught.value.details() or "")[: len(details)]) == (code, details)
+        assert [a.name for a in await s.client.list_adapters()] == ["sql"]
+        assert (await s.client.unload_adapter("sql")).name == "sql"
+        with pytest.raises(grpc.aio.AioRpcError) as caught:
+            await s.client.unload_adapter("sql")
+        assert caught.value.code() is grpc.StatusCode.NOT_FOUND
+        assert await s.client.list_adapters() == []
