@@ -14,6 +14,7 @@ from typing import Any, Protocol
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.telemetry.model.adapter import AdapterShape
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.request.adapters import BASE_ADAPTER, OTHER_ADAPTERS
 from phasescope.telemetry.request.phases import EngineTimestamps
 
 
@@ -141,7 +142,7 @@ class ModelDescription:
 
 
 # What the adapter label of the request series says for the base model, and for adapters past the label limit.
-RESERVED_ADAPTER_NAMES = ("base", "other")
+RESERVED_ADAPTER_NAMES = (BASE_ADAPTER, OTHER_ADAPTERS)
 _ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 
 

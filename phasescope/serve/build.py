@@ -59,6 +59,7 @@ from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures, RecentLatencies
 from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.pipeline import FirstTokenWaits, TelemetryPipeline
+from phasescope.telemetry.request.adapters import AdapterLabels
 from phasescope.telemetry.request.observer import ObserverGroup, RequestObserver
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
@@ -286,6 +287,7 @@ def build_server(
         capture_text=tracing is not None and settings.trace_include_text,
         identify=functools.partial(caller_identity, tokens_checked=bool(tokens)),
         on_engine_dead=on_engine_dead,
+        adapter_labels=AdapterLabels(settings.max_adapter_labels),
     )
     inference = InferenceServicer(
         path, max_watchers=settings.max_watchers, allow_adapter_updates=settings.allow_adapter_updates

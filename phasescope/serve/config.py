@@ -42,6 +42,7 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from phasescope.engine.base import EngineOptions, adapter_name_problem
+from phasescope.telemetry.request.adapters import DEFAULT_ADAPTER_LABELS
 
 ENV_PREFIX = "PHASESCOPE_"
 # The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
@@ -280,6 +281,10 @@ class Settings(BaseSettings):
     max_cpu_loras: Annotated[int | None, Field(ge=1), BeforeValidator(_blank_is_none)] = None
     """Adapters kept loaded in host memory (vLLM's max_cpu_loras, at least --max-loras); unset: --max-loras.
     Adapters past it are read from their folders again when next asked for."""
+    max_adapter_labels: NoneOrMore = DEFAULT_ADAPTER_LABELS
+    """Distinct adapters the request series name (their `adapter` label), in the order their first requests came;
+    the requests of every later adapter are labelled `other`, those on the base model `base`. Keeps each series'
+    cardinality at most this + 2 per label set."""
     allow_adapter_updates: Flag = False
     """Let LoadAdapter and UnloadAdapter (phasescope.v1) add and remove adapters while serving, behind the same
     access control as every other call; off, they are refused (FAILED_PRECONDITION). On, LoRA is enabled even

@@ -28,6 +28,7 @@ from phasescope.errors import EngineUnavailableError
 from phasescope.serve.admission import Admission
 from phasescope.serve.status import status_for
 from phasescope.telemetry.pipeline import FirstTokenWaits
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.observer import RequestObserver
 from phasescope.telemetry.request.phases import (
     EngineTimestamps,
@@ -62,8 +63,9 @@ class LifecycleDeps:
     admission: Admission
     in_flight: set[RequestLifecycle]
     """Admitted requests, from their permit to their end."""
-    count_refusal: Callable[[BaseException | None], None]
-    """Counts a request refused before the hand-off, under the reason the status table gives it."""
+    count_refusal: Callable[[BaseException | None, str], None]
+    """Counts a request refused before the hand-off (with its adapter label), under the reason the status table
+    gives it."""
     engine_died: Callable[[], Awaitable[None]]
     """A request found the engine dead."""
 
@@ -121,6 +123,8 @@ class RequestLifecycle:
         self.abortable = False
         """Whether an engine-protocol `Abort` naming `request_id` stops it."""
         self.prompt_tokens = 0
+        self.adapter = BASE_ADAPTER
+        """The adapter label its series carry (phasescope.telemetry.request.adapters), once it is decoded."""
         self._first = SampleProgress(0)
         self.samples: list[SampleProgress] = [self._first]
         # The sample of the step just taken (whose chunk is written next).
@@ -169,7 +173,7 @@ class RequestLifecycle:
             self._end(exc)
         else:
             # Refused (or failed) before the engine saw it: a rejection, not a request.
-            self._deps.count_refusal(exc)
+            self._deps.count_refusal(exc, self.adapter)
         self._stop_waiting()
 
     @asynccontextmanager
@@ -207,7 +211,7 @@ class RequestLifecycle:
         self._prompt_text = prompt_text
         self.samples.extend(SampleProgress(index) for index in range(1, parameters.samples))
         self._handed = True
-        self._deps.observer.request_started(self._deps.model_name)
+        self._deps.observer.request_started(self._deps.model_name, self.adapter)
 
     def took(self, step: EngineStep) -> None:
         """One engine step's output for this request (for one of its samples)."""
@@ -227,7 +231,7 @@ class RequestLifecycle:
             # has its first token read here all the same).
             sample.read_interference(self._deps.interference(step.engine_index))
         if sample.completion_tokens > before:
-            self._deps.observer.tokens_generated(self._deps.model_name, sample.completion_tokens - before)
+            self._deps.observer.tokens_generated(self._deps.model_name, sample.completion_tokens - before, self.adapter)
         if self._deps.capture_text and not step.index:
             self._outputs.append(step.text)
 
@@ -274,6 +278,7 @@ class RequestLifecycle:
                 sample=sample.index,
                 request_first=self._first_tokens_reported == 0,
                 constraint=self._parameters.constraint,
+                adapter=self.adapter,
             )
         )
         self._first_tokens_reported += 1
@@ -321,6 +326,7 @@ class RequestLifecycle:
             )
             if len(self.samples) > 1
             else (),
+            adapter=self.adapter,
         )
 
 

@@ -43,6 +43,7 @@ from phasescope.serve.status import rejection_reason
 from phasescope.serve.validation import SamplingAsk, build_sampling, check_prompt_length, truncate_prompt
 from phasescope.serve.watch import ServerFacts, TelemetrySource
 from phasescope.telemetry.pipeline import FirstTokenWaits
+from phasescope.telemetry.request.adapters import BASE_ADAPTER, AdapterLabels
 from phasescope.telemetry.request.observer import RequestObserver
 from phasescope.telemetry.request.phases import PhaseTimings, RequestParameters
 from phasescope.telemetry.step.interference import NO_INTERFERENCE, Interference
@@ -160,13 +161,15 @@ class RequestPath:
         capture_text: bool = False,
         identify: Callable[[ServicerContext], str] = lambda context: "",
         on_engine_dead: Callable[[], Awaitable[None]] = _nothing,
+        adapter_labels: AdapterLabels | None = None,
     ) -> None:
         """`first_token_waits` counts the requests waiting for their first chunk (the telemetry pipeline waits
         while any does). `trace_id` names the current trace for exemplars (tracing hands one in; the path never
         imports OpenTelemetry). `capture_text` puts prompt and output text in the record. `identify` names the
         caller for the per-client limit (phasescope.serve.auth.caller_identity). `on_engine_dead` is awaited
         once when a request finds the engine dead, before its UNAVAILABLE leaves (the server turns health
-        NOT_SERVING there, so no client hears of the death before the health service says so)."""
+        NOT_SERVING there, so no client hears of the death before the health service says so). `adapter_labels`
+        names each request's adapter in its series (bounded: --max-adapter-labels)."""
         self.observer = observer
         self.admission = admission
         self.model_name = model_name
@@ -175,6 +178,7 @@ class RequestPath:
         self.capture_text = capture_text
         self._identify = identify
         self._on_engine_dead = on_engine_dead
+        self.adapter_labels = adapter_labels if adapter_labels is not None else AdapterLabels()
         self._engine_death_told = False
         self.attached: Attached | None = None
         """The engine and its telemetry, once started (`attach`); until then requests are refused as not ready."""
@@ -225,11 +229,12 @@ class RequestPath:
         """Who is asking, for the per-client limit (read only when that limit is on)."""
         return self._identify(context) if self.admission.per_client else ""
 
-    def count_refusal(self, exc: BaseException | None) -> None:
-        """The one place a refused request is counted, under the reason the status table gives it."""
+    def count_refusal(self, exc: BaseException | None, adapter: str = BASE_ADAPTER) -> None:
+        """The one place a refused request is counted, under the reason the status table gives it (and the adapter
+        label of what it asked for, once decoded)."""
         reason = rejection_reason(exc) if isinstance(exc, PhasescopeError) else None
         if reason is not None:
-            self.observer.request_rejected(self.model_name, reason)
+            self.observer.request_rejected(self.model_name, reason, adapter)
 
     @contextmanager
     def refusals(self) -> Iterator[None]:
@@ -271,6 +276,8 @@ class RequestPath:
         async with self.begin(streaming, context) as lifecycle:
             engine = self.ready_engine()
             ask = decode(engine.limits)
+            served = any(adapter.name == ask.adapter for adapter in engine.adapters) if ask.adapter else True
+            lifecycle.adapter = self.adapter_labels.label(ask.adapter, served)
             check_kv_transfer(ask.kv_transfer, engine.description)
             check_adapter(ask.adapter, ask.adapter_field, engine)
             async with lifecycle.admitted(self.caller(context)):

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 from phasescope.telemetry.step.aggregator import StepSink
 from phasescope.telemetry.step.records import EngineIteration
@@ -93,7 +94,7 @@ class RecentLatencies(StepSink):
         self.rejected = 0
         """Requests refused before the engine, since start (a watcher diffs it)."""
 
-    def request_started(self, model: str) -> None:
+    def request_started(self, model: str, adapter: str = BASE_ADAPTER) -> None:
         pass
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
@@ -106,7 +107,7 @@ class RecentLatencies(StepSink):
             if timings.prefill_seconds is not None:
                 self._prefill.add(timings.prefill_seconds)
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = BASE_ADAPTER) -> None:
         pass
 
     def request_finished(self, record: PhaseRecord) -> None:
@@ -121,7 +122,7 @@ class RecentLatencies(StepSink):
             with self._lock:
                 self._kv_transfer.add(record.timings.kv_transfer_seconds)
 
-    def request_rejected(self, model: str, reason: str) -> None:
+    def request_rejected(self, model: str, reason: str, adapter: str = BASE_ADAPTER) -> None:
         with self._lock:
             self.rejected += 1
 

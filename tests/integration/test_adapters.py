@@ -21,6 +21,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from phasescope.bench.adapters import write_lora_adapter
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.client.client import build_request
+from phasescope.telemetry.exposition import sum_samples
 from phasescope.telemetry.model.adapter import projection_sizes
 from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
@@ -141,3 +142,27 @@ def test_loading_checks_the_folder_against_the_model_and_an_unloaded_adapter_is_
             client.generate(build_request(token_ids=PROMPT, max_tokens=2, adapter="late"))
         assert caught.value.code() is grpc.StatusCode.NOT_FOUND
     assert lora_server.health() == "SERVING"
+
+
+def test_each_adapters_tokens_are_what_its_clients_received_and_add_up_to_the_total(
+    lora_server: ServerProcess,
+) -> None:
+    def decoded() -> dict[str, float]:
+        samples = lora_server.samples()
+        labels = {"base", "zero", "noise"}
+        by_adapter = {a: sum_samples(samples, "phasescope_tokens_total", phase="decode", adapter=a) for a in labels}
+        return {**by_adapter, "all": sum_samples(samples, "phasescope_tokens_total", phase="decode")}
+
+    lora_server.wait_engine_idle()
+    before = decoded()
+    received = {"base": 0, "zero": 0, "noise": 0}
+    with lora_server.client() as client:
+        for index, adapter in enumerate(["noise", "zero", "", "noise", "noise", "zero"]):
+            answer = client.generate(
+                build_request(token_ids=PROMPT, max_tokens=5 + index, ignore_eos=True, adapter=adapter, seed=index)
+            )
+            received[adapter or "base"] += answer.usage.completion_tokens
+    lora_server.wait_engine_idle()
+    after = decoded()
+    assert {a: after[a] - before[a] for a in received} == received
+    assert after["all"] - before["all"] == sum(received.values())

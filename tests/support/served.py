@@ -61,8 +61,15 @@ class Served:
         return self.built.aggregator
 
     def value(self, name: str, **labels: str) -> float:
-        """A sample of the server's registry (collecting it hands on what the telemetry pipeline holds)."""
-        return self.registry.get_sample_value(name, {"model": MODEL, **labels}) or 0.0
+        """The sum of a series' samples over every label set that includes `labels` (and this model), in the
+        server's registry (collecting it hands on what the telemetry pipeline holds)."""
+        wanted = {"model": MODEL, **labels}
+        return sum(
+            sample.value
+            for family in self.registry.collect()
+            for sample in family.samples
+            if sample.name == name and wanted.items() <= sample.labels.items()
+        )
 
 
 @asynccontextmanager

@@ -17,23 +17,26 @@ from collections.abc import Callable, Iterable
 from typing import Protocol, TypeVar, TypeVarTuple
 
 from phasescope.telemetry.pipeline import TelemetryPipeline
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord
 
 
 class RequestObserver(Protocol):
-    def request_started(self, model: str) -> None:
+    """`adapter` and the records' `adapter`: the request's adapter label (phasescope.telemetry.request.adapters)."""
+
+    def request_started(self, model: str, adapter: str = BASE_ADAPTER) -> None:
         """A request was admitted and is now in flight."""
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         """An admitted request's first token arrived (streams: once its chunk was written)."""
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = BASE_ADAPTER) -> None:
         """An admitted request produced `count` more output tokens."""
 
     def request_finished(self, record: PhaseRecord) -> None:
         """An admitted request ended, successfully or not."""
 
-    def request_rejected(self, model: str, reason: str) -> None:
+    def request_rejected(self, model: str, reason: str, adapter: str = BASE_ADAPTER) -> None:
         """A request was refused before it reached the engine."""
 
 
@@ -89,21 +92,21 @@ class ObserverGroup:
         elif held:
             self._pipeline.hold(self._deliver, held, record)
 
-    def request_started(self, model: str) -> None:
-        self._deliver(self._started, model)
+    def request_started(self, model: str, adapter: str = BASE_ADAPTER) -> None:
+        self._deliver(self._started, model, adapter)
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         self._record(self._first_token_now, self._first_token_held, record)
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = BASE_ADAPTER) -> None:
         for count_tokens in self._tokens:
             try:
-                count_tokens(model, count)
+                count_tokens(model, count, adapter)
             except Exception as exc:
                 self._on_error("observer", exc)
 
     def request_finished(self, record: PhaseRecord) -> None:
         self._record(self._finished_now, self._finished_held, record)
 
-    def request_rejected(self, model: str, reason: str) -> None:
-        self._deliver(self._rejected, model, reason)
+    def request_rejected(self, model: str, reason: str, adapter: str = BASE_ADAPTER) -> None:
+        self._deliver(self._rejected, model, reason, adapter)

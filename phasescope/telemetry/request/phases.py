@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any, get_args
 
 from phasescope.telemetry.errors import log_rate_limited
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.stages import (
     ABANDONED,
     DECODE,
@@ -314,6 +315,8 @@ class FirstTokenRecord:
     """The kind of the request's structured output (`StructuredKind`), or empty for none."""
     cached_prompt_tokens: int = 0
     """Prompt tokens the prefix cache served for this sequence."""
+    adapter: str = BASE_ADAPTER
+    """The request's adapter label (phasescope.telemetry.request.adapters)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,6 +366,8 @@ class PhaseRecord:
     samples: tuple[SampleRecord, ...] = ()
     """With n > 1 samples: every sample (index 0 to n − 1), each its own sequence in the engine; the
     record's own timings, stamps and cached tokens are sample 0's. Empty for n = 1."""
+    adapter: str = BASE_ADAPTER
+    """The request's adapter label (phasescope.telemetry.request.adapters)."""
 
     @property
     def produced_first_token(self) -> bool:

@@ -3,7 +3,8 @@
 The observer is one collector, registered where the server is wired, so tests register it in a private
 `CollectorRegistry`. Names start with `phasescope_` and never contain "vllm"
 (vLLM's `unregister_vllm_metrics()` drops any collector whose name does).
-Labels stay bounded: model, phase, code, finish reason, rejection reason.
+Labels stay bounded: model, adapter (phasescope.telemetry.request.adapters), phase, code, finish reason,
+rejection reason.
 docs/metrics.md documents each series; a test keeps the two in step.
 """
 
@@ -17,6 +18,7 @@ from prometheus_client.registry import Collector
 
 from phasescope.telemetry.children import Children
 from phasescope.telemetry.model.cost import ModelCost
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings
 from phasescope.telemetry.request.stages import FRONTEND, INTAKE, STAGES
 
@@ -50,7 +52,7 @@ _UNANSWERED_CODES = ("CANCELLED", "DEADLINE_EXCEEDED", "UNAVAILABLE", "INTERNAL"
 
 
 class TokenCounts(Collector):
-    """`phasescope_tokens`, a counter by model and phase kept as plain totals.
+    """`phasescope_tokens`, a counter by model, adapter and phase kept as plain totals.
 
     The decode count grows with every streamed chunk of every request: a `Counter` child costs a
     lock and its checks each time, where a dictionary entry costs an addition. Only the event loop
@@ -58,15 +60,16 @@ class TokenCounts(Collector):
     reads is one the loop had reached, so the series never goes down."""
 
     def __init__(self, documentation: str) -> None:
-        self.prefill: dict[str, int] = {}
-        self.decode: dict[str, int] = {}
+        self.prefill: dict[tuple[str, str], int] = {}
+        """By (model, adapter label)."""
+        self.decode: dict[tuple[str, str], int] = {}
         self._documentation = documentation
 
     def collect(self) -> Iterator[Metric]:
-        family = CounterMetricFamily("phasescope_tokens", self._documentation, labels=["model", "phase"])
+        family = CounterMetricFamily("phasescope_tokens", self._documentation, labels=["model", "adapter", "phase"])
         for phase, totals in (("prefill", self.prefill), ("decode", self.decode)):
-            for model, total in list(totals.items()):
-                family.add_metric([model, phase], total)
+            for (model, adapter), total in list(totals.items()):
+                family.add_metric([model, adapter, phase], total)
         yield family
 
 
@@ -79,7 +82,7 @@ class PrometheusRequestObserver(Collector):
         self.phase_seconds = Histogram(
             "phasescope_request_phase_seconds",
             _PHASE_HELP,
-            ["model", "phase"],
+            ["model", "adapter", "phase"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=None,
         )
@@ -87,7 +90,7 @@ class PrometheusRequestObserver(Collector):
             "phasescope_time_to_first_token_seconds",
             "First token (engine stamp) - handler entry, per request that produced a token, observed at "
             "its first token. Requests that ended before one are in phasescope_requests_without_first_token_total.",
-            ["model"],
+            ["model", "adapter"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=None,
         )
@@ -126,7 +129,7 @@ class PrometheusRequestObserver(Collector):
         self.request_duration_seconds = Histogram(
             "phasescope_request_duration_seconds",
             "Last token - handler entry (end-to-end latency), per request that produced a token.",
-            ["model"],
+            ["model", "adapter"],
             buckets=REQUEST_SECONDS_BUCKETS,
             registry=None,
         )
@@ -150,7 +153,7 @@ class PrometheusRequestObserver(Collector):
             "phasescope_requests_without_first_token",
             "Admitted requests that ended before their first token (cancelled, deadline, failure), "
             "by gRPC status code: the time-to-first-token SLO counts each as a miss.",
-            ["model", "code"],
+            ["model", "adapter", "code"],
             registry=None,
         )
         self.tokens = TokenCounts(
@@ -161,13 +164,13 @@ class PrometheusRequestObserver(Collector):
         self.requests = Counter(
             "phasescope_requests",
             "Admitted requests that ended, by gRPC status code and finish reason.",
-            ["model", "code", "finish_reason"],
+            ["model", "adapter", "code", "finish_reason"],
             registry=None,
         )
         self.requests_in_flight = Gauge(
             "phasescope_requests_in_flight",
             "Admitted requests not yet ended (running in the engine or waiting in its queue).",
-            ["model"],
+            ["model", "adapter"],
             registry=None,
         )
         self.kv_transfer_tokens = Counter(
@@ -186,7 +189,7 @@ class PrometheusRequestObserver(Collector):
         self.requests_rejected = Counter(
             "phasescope_requests_rejected",
             "Requests refused before reaching the engine, by reason.",
-            ["model", "reason"],
+            ["model", "adapter", "reason"],
             registry=None,
         )
         self._child = Children()
@@ -210,11 +213,11 @@ class PrometheusRequestObserver(Collector):
             self.requests_rejected,
         )
         if model is not None:
-            self.time_to_first_token_seconds.labels(model)
+            self.time_to_first_token_seconds.labels(model, BASE_ADAPTER)
             self.decode_stalled_seconds.labels(model)
             self.decode_interference_seconds.labels(model)
             for code in _UNANSWERED_CODES:
-                self.without_first_token.labels(model, code)
+                self.without_first_token.labels(model, BASE_ADAPTER, code)
 
     def describe(self) -> Iterator[Metric]:
         """Every family it exports, by name, for a registry's checks and its filtered scrapes (`name[]`)."""
@@ -224,17 +227,17 @@ class PrometheusRequestObserver(Collector):
         for series in self._series:
             yield from series.collect()
 
-    def request_started(self, model: str) -> None:
-        self._child(self.requests_in_flight, model).inc()
+    def request_started(self, model: str, adapter: str = BASE_ADAPTER) -> None:
+        self._child(self.requests_in_flight, model, adapter).inc()
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
-        model = record.model
+        model, adapter = record.model, record.adapter
         timings = record.timings
         # With tracing on, each observation links to its request's trace (shown when
         # the scrape asks for OpenMetrics), so a slow bucket in Grafana opens its trace.
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
-        prefill = self.tokens.prefill
-        prefill[model] = prefill.get(model, 0) + record.prefill_tokens_computed
+        prefill, key = self.tokens.prefill, (model, adapter)
+        prefill[key] = prefill.get(key, 0) + record.prefill_tokens_computed
         if record.cached_prompt_tokens:
             self._child(self.prefix_cache_tokens, model).inc(record.cached_prompt_tokens)
             if self.cost is not None:
@@ -244,9 +247,11 @@ class PrometheusRequestObserver(Collector):
         for stage in _AT_FIRST_TOKEN if record.request_first else _SAMPLE_AT_FIRST_TOKEN:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, adapter, stage.name).observe(seconds, exemplar)
         if timings.time_to_first_token_seconds is not None:
-            self._child(self.time_to_first_token_seconds, model).observe(timings.time_to_first_token_seconds, exemplar)
+            self._child(self.time_to_first_token_seconds, model, adapter).observe(
+                timings.time_to_first_token_seconds, exemplar
+            )
         if record.constraint and timings.queue_seconds is not None:
             self._child(self.structured_queue_seconds, model, record.constraint).observe(
                 timings.queue_seconds, exemplar
@@ -256,20 +261,20 @@ class PrometheusRequestObserver(Collector):
                 timings.client_time_to_first_token_seconds, exemplar
             )
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = BASE_ADAPTER) -> None:
         # Called for every chunk of every stream: an addition to a plain total (TokenCounts).
-        decode = self._decode_tokens
-        decode[model] = decode.get(model, 0) + count
+        decode, key = self._decode_tokens, (model, adapter)
+        decode[key] = decode.get(key, 0) + count
 
     def request_finished(self, record: PhaseRecord) -> None:
-        model = record.model
-        self._child(self.requests_in_flight, model).dec()
-        self._child(self.requests, model, record.code, record.finish_reason).inc()
+        model, adapter = record.model, record.adapter
+        self._child(self.requests_in_flight, model, adapter).dec()
+        self._child(self.requests, model, adapter, record.code, record.finish_reason).inc()
         exemplar = {"trace_id": record.trace_id} if record.trace_id else None
         answered = record.produced_first_token or any(sample.produced_first_token for sample in record.samples)
         if not answered:
             # Its first token never came: the client got nothing, whatever the reason.
-            self._child(self.without_first_token, model, record.code).inc()
+            self._child(self.without_first_token, model, adapter, record.code).inc()
         timings = record.timings
         if timings.kv_loaded_tokens:
             self._child(self.kv_transfer_tokens, model, "loaded").inc(timings.kv_loaded_tokens)
@@ -278,13 +283,22 @@ class PrometheusRequestObserver(Collector):
         if timings.kv_transfer_bytes:
             self._child(self.kv_transfer_bytes, model).inc(timings.kv_transfer_bytes)
         # The shared stages were observed with the first token, if one came.
-        self._observe_sequence(model, record.timings, record.produced_first_token, exemplar, shared=not answered)
+        self._observe_sequence(
+            model, adapter, record.timings, record.produced_first_token, exemplar, shared=not answered
+        )
         # With n samples, each later one's own sequence too (its decode, duration, interference).
         for sample in record.samples[1:]:
-            self._observe_sequence(model, sample.timings, sample.produced_first_token, exemplar, shared=False)
+            self._observe_sequence(model, adapter, sample.timings, sample.produced_first_token, exemplar, shared=False)
 
     def _observe_sequence(
-        self, model: str, timings: PhaseTimings, answered: bool, exemplar: dict[str, str] | None, *, shared: bool
+        self,
+        model: str,
+        adapter: str,
+        timings: PhaseTimings,
+        answered: bool,
+        exemplar: dict[str, str] | None,
+        *,
+        shared: bool,
     ) -> None:
         """One sequence's stages at its end; `shared`: the request's first, which also observes the stages
         its samples share (a request without a first token observes its frontend stage here)."""
@@ -292,7 +306,7 @@ class PrometheusRequestObserver(Collector):
         for stage in stages:
             seconds = timings.seconds(stage)
             if seconds is not None:
-                self._child(self.phase_seconds, model, stage.name).observe(seconds, exemplar)
+                self._child(self.phase_seconds, model, adapter, stage.name).observe(seconds, exemplar)
         if not answered:
             return
         if timings.decode_stalled_by_prefill_seconds is not None:
@@ -302,7 +316,7 @@ class PrometheusRequestObserver(Collector):
                 timings.decode_prefill_interference_seconds, exemplar
             )
         if timings.e2e_seconds is not None:
-            self._child(self.request_duration_seconds, model).observe(timings.e2e_seconds, exemplar)
+            self._child(self.request_duration_seconds, model, adapter).observe(timings.e2e_seconds, exemplar)
 
-    def request_rejected(self, model: str, reason: str) -> None:
-        self._child(self.requests_rejected, model, reason).inc()
+    def request_rejected(self, model: str, reason: str, adapter: str = BASE_ADAPTER) -> None:
+        self._child(self.requests_rejected, model, adapter, reason).inc()

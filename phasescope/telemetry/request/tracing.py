@@ -27,6 +27,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
 from opentelemetry.sdk.trace.sampling import ParentBased, TraceIdRatioBased
 from opentelemetry.trace import Status, StatusCode
 
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.phases import FirstTokenRecord, PhaseRecord, PhaseTimings, stamp_value
 from phasescope.telemetry.request.stages import DECODE, KV_TRANSFER, STAGES
 
@@ -107,7 +108,7 @@ class TracingObserver:
         self._tracer = provider.get_tracer(INSTRUMENTATION_NAME)
         self._include_text = include_text
 
-    def request_started(self, model: str) -> None:
+    def request_started(self, model: str, adapter: str = BASE_ADAPTER) -> None:
         """Spans are built when the request ends, from its timestamps."""
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
@@ -116,10 +117,10 @@ class TracingObserver:
     counts_tokens = False
     """`ObserverGroup` leaves this observer out of the per-chunk token calls (the span gets its counts at the end)."""
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = BASE_ADAPTER) -> None:
         """Token counts are on the request span."""
 
-    def request_rejected(self, model: str, reason: str) -> None:
+    def request_rejected(self, model: str, reason: str, adapter: str = BASE_ADAPTER) -> None:
         """The gRPC server span already carries a rejected request's status."""
 
     def request_finished(self, record: PhaseRecord) -> None:
@@ -163,6 +164,8 @@ class TracingObserver:
             attributes["gen_ai.request.choice.count"] = len(record.samples)
         if parameters.constraint:
             attributes["phasescope.structured_output"] = parameters.constraint
+        if parameters.adapter:
+            attributes["phasescope.lora_adapter"] = parameters.adapter
         if parameters.max_tokens is not None:
             attributes["gen_ai.request.max_tokens"] = parameters.max_tokens
         if parameters.temperature is not None:

@@ -13,7 +13,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from phasescope.bench.adapters import write_lora_adapter
 from phasescope.client.client import build_request
 from support.fake_engine import CONFIG, ScriptedEngine
-from support.served import served
+from support.served import eventually, served
 
 
 def engine_request(request_id: str) -> vllm_pb.GenerateRequest:
@@ -105,3 +105,28 @@ async def test_load_list_and_unload_and_each_refusal_names_its_field(tmp_path: P
             await s.client.unload_adapter("sql")
         assert caught.value.code() is grpc.StatusCode.NOT_FOUND
         assert await s.client.list_adapters() == []
+
+
+async def test_each_adapters_requests_and_tokens_are_its_own_series_and_the_label_stays_bounded(
+    tmp_path: Path,
+) -> None:
+    engine = ScriptedEngine(max_loras=2)  # three tokens a request (the default script)
+    async with served(engine, allow_adapter_updates=True, max_adapter_labels=1) as s:
+        for name in ("sql", "chat"):
+            await s.client.load_adapter(name, str(write_lora_adapter(tmp_path / name, CONFIG)))
+        for adapter in ("sql", "sql", "chat", ""):
+            await s.client.generate(build_request(prompt="a b", max_tokens=3, adapter=adapter))
+        with pytest.raises(grpc.aio.AioRpcError):
+            await s.client.generate(build_request(prompt="a b", max_tokens=3, adapter="nobody"))
+        # The first adapter seen keeps its name; with one label allowed, the next is "other", as is a name not
+        # served (a refusal's: the client's text never becomes a label).
+        await eventually(lambda: s.value("phasescope_requests_total", adapter="sql") == 2)
+        assert s.value("phasescope_requests_total", adapter="other") == 1
+        assert s.value("phasescope_requests_total", adapter="base") == 1
+        assert s.value("phasescope_requests_total", adapter="chat") == 0
+        assert s.value("phasescope_tokens_total", adapter="sql", phase="decode") == 6
+        assert s.value("phasescope_tokens_total", adapter="other", phase="decode") == 3
+        assert s.value("phasescope_tokens_total", phase="decode") == 12
+        assert s.value("phasescope_requests_rejected_total", adapter="other", reason="not_found") == 1
+        assert s.value("phasescope_time_to_first_token_seconds_count", adapter="sql") == 2
+        assert s.value("phasescope_requests_in_flight", adapter="sql") == 0

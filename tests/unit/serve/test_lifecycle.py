@@ -35,21 +35,21 @@ class Recorder:
         self.rejected: list[str] = []
         self.tokens = 0
 
-    def request_started(self, model: str) -> None:
+    def request_started(self, model: str, adapter: str = "base") -> None:
         self.calls.append("started")
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         self.calls.append("first_token")
         self.first_tokens.append(record)
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = "base") -> None:
         self.tokens += count
 
     def request_finished(self, record: PhaseRecord) -> None:
         self.calls.append("finished")
         self.records.append(record)
 
-    def request_rejected(self, model: str, reason: str) -> None:
+    def request_rejected(self, model: str, reason: str, adapter: str = "base") -> None:
         self.rejected.append(reason)
 
 

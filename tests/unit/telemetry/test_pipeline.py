@@ -21,7 +21,7 @@ from phasescope.telemetry.request.phases import (
 from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 
 MODEL = "tiny"
-REQUESTS = {"model": MODEL, "code": "OK", "finish_reason": "stop"}
+REQUESTS = {"model": MODEL, "adapter": "base", "code": "OK", "finish_reason": "stop"}
 FRONT = FrontendTimestamps(
     entry=9.98, wall_at_entry=1.7e9, handed_to_engine=9.99, first_chunk_written=10.32, ended=11.83
 )
@@ -46,19 +46,19 @@ class Spans:
     def __init__(self) -> None:
         self.seen: list[str] = []
 
-    def request_started(self, model: str) -> None:
+    def request_started(self, model: str, adapter: str = "base") -> None:
         self.seen.append("started")
 
     def request_first_token(self, record: FirstTokenRecord) -> None:
         self.seen.append("first_token")
 
-    def tokens_generated(self, model: str, count: int) -> None:
+    def tokens_generated(self, model: str, count: int, adapter: str = "base") -> None:
         self.seen.append("tokens")
 
     def request_finished(self, record: PhaseRecord) -> None:
         self.seen.append("finished")
 
-    def request_rejected(self, model: str, reason: str) -> None:
+    def request_rejected(self, model: str, reason: str, adapter: str = "base") -> None:
         self.seen.append("rejected")
 
 
@@ -135,10 +135,16 @@ async def test_a_scrape_counts_the_records_held_before_it() -> None:
     assert pipeline.held == 2  # the first token's record and the end's; the rest went at once
     # The registry collects the hook first: a reader sees the request whole.
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 1
-    assert registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL}) == 1
+    assert (
+        registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL, "adapter": "base"})
+        == 1
+    )
     assert pipeline.held == 0
-    assert registry.get_sample_value("phasescope_requests_in_flight", {"model": MODEL}) == 0
-    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 3
+    assert registry.get_sample_value("phasescope_requests_in_flight", {"model": MODEL, "adapter": "base"}) == 0
+    assert (
+        registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "adapter": "base", "phase": "decode"})
+        == 3
+    )
 
 
 async def test_direct_observers_get_records_at_once_batched_ones_when_handed_on() -> None:
@@ -220,5 +226,8 @@ async def test_a_scrape_from_another_thread_while_requests_end_loses_no_record()
         stop.set()
         scraper.join()
     assert registry.get_sample_value("phasescope_requests_total", REQUESTS) == 2000
-    assert registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL}) == 2000
-    assert registry.get_sample_value("phasescope_requests_in_flight", {"model": MODEL}) == 0
+    assert (
+        registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL, "adapter": "base"})
+        == 2000
+    )
+    assert registry.get_sample_value("phasescope_requests_in_flight", {"model": MODEL, "adapter": "base"}) == 0

@@ -20,6 +20,19 @@ from phasescope.telemetry.request.prometheus import PrometheusRequestObserver
 MODEL = "tiny"
 
 
+# The request series carry the adapter label; a request on the base model has "base".
+ADAPTER_SERIES = (
+    "phasescope_requests_total", "phasescope_time_to_first_token_seconds", "phasescope_requests_in_flight",
+    "phasescope_tokens_total", "phasescope_requests_rejected_total", "phasescope_request_phase_seconds",
+    "phasescope_request_duration_seconds", "phasescope_requests_without_first_token_total",
+)  # fmt: skip
+
+
+def labelled(name: str, labels: dict[str, str]) -> dict[str, str]:
+    adapter = {"adapter": "base"} if name.startswith(ADAPTER_SERIES) else {}
+    return {"model": MODEL, **adapter, **labels}
+
+
 FRONT = FrontendTimestamps(entry=9.98, wall_at_entry=1.7e9, handed_to_engine=9.99, ended=11.83)
 TIMINGS = PhaseTimings(
     frontend_seconds=0.02,
@@ -64,7 +77,7 @@ def test_figures_are_recorded_when_they_become_known(registry: CollectorRegistry
     registry.register(observer)
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"model": MODEL, **labels})
+        return registry.get_sample_value(name, labelled(name, labels))
 
     observer.request_started(MODEL)
     assert value("phasescope_requests_in_flight") == 1
@@ -100,7 +113,10 @@ def test_unary_requests_stay_out_of_the_client_ttft_histogram(registry: Collecto
     observer = PrometheusRequestObserver()
     registry.register(observer)
     observer.request_first_token(first_token(streaming=False))
-    assert registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL}) == 1
+    assert (
+        registry.get_sample_value("phasescope_time_to_first_token_seconds_count", {"model": MODEL, "adapter": "base"})
+        == 1
+    )
     assert registry.get_sample_value("phasescope_client_time_to_first_token_seconds_count", {"model": MODEL}) is None
 
 
@@ -121,7 +137,7 @@ def test_request_ended_before_its_first_token_counts_against_the_ttft_slo(regist
     )
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"model": MODEL, **labels})
+        return registry.get_sample_value(name, labelled(name, labels))
 
     assert value("phasescope_requests_without_first_token_total", code="DEADLINE_EXCEEDED") == 1
     assert value("phasescope_request_phase_seconds_sum", phase="frontend") == pytest.approx(0.05)
@@ -152,7 +168,7 @@ def test_a_request_with_samples_observes_its_shared_stages_once_and_each_sequenc
     registry.register(observer)
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"model": MODEL, **labels})
+        return registry.get_sample_value(name, labelled(name, labels))
 
     observer.request_started(MODEL)
     for sample in range(3):
@@ -180,8 +196,13 @@ def test_rejections_are_counted_by_reason(registry: CollectorRegistry) -> None:
     observer.request_rejected(MODEL, "overloaded")
     observer.request_rejected(MODEL, "invalid_argument")
     sample = registry.get_sample_value
-    assert sample("phasescope_requests_rejected_total", {"model": MODEL, "reason": "overloaded"}) == 2
-    assert sample("phasescope_requests_rejected_total", {"model": MODEL, "reason": "invalid_argument"}) == 1
+    assert (
+        sample("phasescope_requests_rejected_total", {"model": MODEL, "adapter": "base", "reason": "overloaded"}) == 2
+    )
+    assert (
+        sample("phasescope_requests_rejected_total", {"model": MODEL, "adapter": "base", "reason": "invalid_argument"})
+        == 1
+    )
 
 
 def test_no_metric_name_contains_vllm(registry: CollectorRegistry) -> None:
@@ -211,8 +232,11 @@ def test_a_failing_observer_does_not_stop_the_others_and_is_counted(registry: Co
     group.request_finished(record())
     group.request_rejected(MODEL, "overloaded")
     sample = registry.get_sample_value
-    assert sample("phasescope_requests_total", {"model": MODEL, "code": "OK", "finish_reason": "stop"}) == 1
-    assert sample("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 3
+    assert (
+        sample("phasescope_requests_total", {"model": MODEL, "adapter": "base", "code": "OK", "finish_reason": "stop"})
+        == 1
+    )
+    assert sample("phasescope_tokens_total", {"model": MODEL, "adapter": "base", "phase": "decode"}) == 3
     assert sample("phasescope_telemetry_errors_total", {"model": MODEL, "component": "observer"}) == 5
 
 
@@ -225,12 +249,21 @@ def test_token_counts_scrape_as_a_counter_that_a_scrape_mid_stream_sees_grow(reg
     observer.tokens_generated(MODEL, 2)
     first = generate_latest(registry).decode()
     assert "# TYPE phasescope_tokens_total counter" in first
-    assert f'phasescope_tokens_total{{model="{MODEL}",phase="decode"}} 2.0' in first
+    assert f'phasescope_tokens_total{{adapter="base",model="{MODEL}",phase="decode"}} 2.0' in first
     observer.tokens_generated(MODEL, 5)
     observer.tokens_generated("other", 1)
-    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "decode"}) == 7
-    assert registry.get_sample_value("phasescope_tokens_total", {"model": "other", "phase": "decode"}) == 1
-    assert registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "phase": "prefill"}) == 8
+    assert (
+        registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "adapter": "base", "phase": "decode"})
+        == 7
+    )
+    assert (
+        registry.get_sample_value("phasescope_tokens_total", {"model": "other", "adapter": "base", "phase": "decode"})
+        == 1
+    )
+    assert (
+        registry.get_sample_value("phasescope_tokens_total", {"model": MODEL, "adapter": "base", "phase": "prefill"})
+        == 8
+    )
 
 
 def test_a_kv_transfer_is_observed_as_its_stage_with_the_tokens_and_bytes_moved(registry: CollectorRegistry) -> None:
@@ -243,7 +276,7 @@ def test_a_kv_transfer_is_observed_as_its_stage_with_the_tokens_and_bytes_moved(
         observer.request_finished(record(timings=timings))
 
     def value(name: str, **labels: str) -> float | None:
-        return registry.get_sample_value(name, {"model": MODEL, **labels})
+        return registry.get_sample_value(name, labelled(name, labels))
 
     assert value("phasescope_request_phase_seconds_count", phase="kv_transfer") == 2  # not the third: none moved
     assert value("phasescope_request_phase_seconds_sum", phase="kv_transfer") == pytest.approx(0.06)

@@ -109,10 +109,19 @@ def test_attributes_follow_gen_ai_conventions(traced: tuple[TracerProvider, InMe
     assert attributes["gen_ai.usage.input_tokens"] == 7
     assert attributes["gen_ai.usage.output_tokens"] == 6
     assert attributes["gen_ai.response.finish_reasons"] == ("length",)
+    assert "phasescope.lora_adapter" not in attributes  # the base model
     assert attributes["phasescope.time_to_first_token_seconds"] == pytest.approx(0.76)
     decode = dict(spans["decode"].attributes or {})
     # (6 − 1) tokens over 1.25 s of decode.
     assert decode["phasescope.decode_tokens_per_second"] == pytest.approx(4.0)
+
+
+def test_a_request_with_an_adapter_names_it(traced: tuple[TracerProvider, InMemorySpanExporter]) -> None:
+    provider, exporter = traced
+    with_adapter = dataclasses.replace(record(), parameters=RequestParameters(operation="chat", adapter="sql"))
+    finish_under_server_span(provider, TracingObserver(provider), with_adapter)
+    attributes = dict(by_name(exporter.get_finished_spans())["chat tiny"].attributes or {})
+    assert attributes["phasescope.lora_adapter"] == "sql"
 
 
 def test_no_text_in_spans_by_default(traced: tuple[TracerProvider, InMemorySpanExporter]) -> None:
