@@ -1,5 +1,6 @@
 """LoRA adapters on the real engine: one tiny-model server with two adapters made on the spot (PEFT folders, no
-download), one with B zero and one with B random, and adapter updates allowed.
+download), one with B zero and one with B random, one adapter slot a step (--max-loras 1), and adapter updates
+allowed.
 
 A zero-B adapter adds nothing, so it answers exactly as the base model; the random one answers otherwise. Both
 protocols select an adapter (phasescope.v1's `adapter` field, the engine protocol's metadata key); one not served
@@ -10,7 +11,10 @@ server keeps serving through all of it.
 from __future__ import annotations
 
 import json
+import threading
+import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +25,7 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 from phasescope.bench.adapters import write_lora_adapter
 from phasescope.bench.tiny_model import ensure_tiny_model
 from phasescope.client.client import build_request
-from phasescope.telemetry.exposition import sum_samples
+from phasescope.telemetry.exposition import Samples, sum_samples
 from phasescope.telemetry.model.adapter import projection_sizes
 from support.engine_protocol import open_engine_stub
 from support.servers import ServerProcess
@@ -55,7 +59,8 @@ def adapters(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def lora_server(start_server: Callable[..., ServerProcess], adapters: dict[str, Path]) -> ServerProcess:
     return start_server(
         "--model", str(ensure_tiny_model()), "--lora-modules", f"zero={adapters['zero']}",
-        f"noise={adapters['noise']}", "--max-loras", "2", "--max-lora-rank", str(RANK), "--allow-adapter-updates",
+        f"noise={adapters['noise']}", "--max-loras", "1", "--max-cpu-loras", "4", "--max-lora-rank", str(RANK),
+        "--allow-adapter-updates",
     )  # fmt: skip
 
 
@@ -86,7 +91,7 @@ def test_a_zero_adapter_answers_as_the_base_model_and_a_random_one_otherwise(lor
 def test_model_info_lists_each_adapter_with_its_rank_targets_and_bytes(lora_server: ServerProcess) -> None:
     with lora_server.client() as client:
         info = client.model_info()
-    assert (info.max_loras, info.max_lora_rank) == (2, RANK)
+    assert (info.max_loras, info.max_lora_rank) == (1, RANK)
     served = {adapter.name: adapter for adapter in info.adapters}
     assert set(served) == {"zero", "noise"}
     sizes = projection_sizes(tiny_config())
@@ -166,3 +171,43 @@ def test_each_adapters_tokens_are_what_its_clients_received_and_add_up_to_the_to
     after = decoded()
     assert {a: after[a] - before[a] for a in received} == received
     assert after["all"] - before["all"] == sum(received.values())
+
+
+def test_with_one_adapter_slot_requests_for_two_adapters_wait_for_adapters_and_the_verdict_says_so(
+    lora_server: ServerProcess,
+) -> None:
+    # Eight requests at once, alternating the two adapters: one adapter runs a step, so the other's requests wait
+    # for its slot while the batch has room for all eight.
+    lora_server.wait_engine_idle()
+    scrapes: list[Samples] = []
+    done = threading.Event()
+
+    def scrape() -> None:
+        while not done.is_set():
+            scrapes.append(lora_server.samples())
+            time.sleep(0.1)
+
+    def ask(index: int) -> int:
+        with lora_server.client() as client:
+            request = build_request(
+                token_ids=PROMPT, max_tokens=64, ignore_eos=True, adapter=("zero", "noise")[index % 2]
+            )
+            return client.generate(request).usage.completion_tokens
+
+    watcher = threading.Thread(target=scrape)
+    watcher.start()
+    try:
+        with ThreadPoolExecutor(max_workers=8) as pool:
+            assert list(pool.map(ask, range(8))) == [64] * 8
+        scrapes.append(lora_server.samples())
+    finally:
+        done.set()
+        watcher.join()
+    waiting = [sum_samples(s, "phasescope_engine_waiting_requests", reason="adapters") for s in scrapes]
+    assert max(waiting) >= 1
+    shares = [sum_samples(s, "phasescope_queue_wait_by_reason_ratio", reason="adapters") for s in scrapes]
+    assert max(shares) >= 0.1
+    verdicts = [sum_samples(s, "phasescope_bound", phase="decode", verdict="adapters") for s in scrapes]
+    assert max(verdicts) == 1
+    # Nothing waited for KV blocks or a batch slot: the adapter slot was the wall.
+    assert max(sum_samples(s, "phasescope_engine_waiting_requests", reason="slot") for s in scrapes) == 0

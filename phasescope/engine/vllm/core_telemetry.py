@@ -145,6 +145,9 @@ class CoreTelemetry:
         self._publisher = publisher
         # What ends the scheduler's admission of waiting requests in a step, beside the KV cache.
         self._max_num_seqs = int(config.scheduler_config.max_num_seqs)
+        # And the distinct LoRA adapters a batch may run (0: LoRA is off).
+        lora = getattr(config, "lora_config", None)
+        self._max_loras = int(lora.max_loras) if lora is not None else 0
         self._token_budget = int(config.scheduler_config.max_num_batched_tokens)
         speculative = config.speculative_config
         # A decoding sequence computes one new token per step, plus its draft tokens when speculating.
@@ -266,15 +269,18 @@ class CoreTelemetry:
         iteration, finished = self._outputs(outputs)
         running, waiting = scheduler.get_request_counts()
         deferred = len(scheduler.deferred_waiting)
+        for_adapters = self._waiting_for_adapters() if self._max_loras and deferred else 0
         kv_cache_usage = float(scheduler.kv_cache_manager.usage)
         scheduled = int(scheduler_output.total_num_scheduled_tokens)
         state = SchedulerState(
             engine=self.engine,
             running=running,
-            waiting=waiting - deferred,
+            waiting=waiting - deferred + for_adapters,
             kv_cache_usage=kv_cache_usage,
-            # Waiting requests the scheduler skips while blocked (a structured output's grammar still compiling).
-            deferred=deferred,
+            # Waiting requests the scheduler skips while blocked (a structured output's grammar still compiling),
+            # but those it skips for want of an adapter slot: they wait, for `adapters`.
+            deferred=deferred - for_adapters,
+            waiting_for_adapters=for_adapters,
             reason=wait_reason(
                 running,
                 self._max_num_seqs,
@@ -304,6 +310,19 @@ class CoreTelemetry:
             speculative=speculative_step(self._speculation),
         )
         return StepReport(iteration=iteration, scheduler=state, step=step, finished=tuple(finished))
+
+    def _waiting_for_adapters(self) -> int:
+        """The skipped requests whose LoRA adapter had no slot: the batch runs `max_loras` distinct adapters and
+        theirs is not one (vLLM's scheduler skips them, and keeps them among its deferred requests)."""
+        scheduler = self._scheduler
+        running = {r.lora_request.lora_int_id for r in scheduler.running if r.lora_request is not None}
+        if len(running) < self._max_loras:
+            return 0
+        return sum(
+            1
+            for request in scheduler.deferred_waiting
+            if request.lora_request is not None and request.lora_request.lora_int_id not in running
+        )
 
 
 def _core_telemetry(scheduler: Scheduler) -> CoreTelemetry | None:

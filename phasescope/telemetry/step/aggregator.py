@@ -76,7 +76,9 @@ class EngineView:
     kv_cache_capacity_tokens: int = 0
     """Tokens the engine's KV cache holds: its blocks × tokens per block (0: unknown)."""
     waiting_reason: str = "other"
-    """Why its waiting requests wait now (`window.WAIT_REASONS`)."""
+    """Why its waiting requests wait now (`window.WAIT_REASONS`), those waiting for an adapter slot apart."""
+    waiting_for_adapters: int = 0
+    """Of `waiting`, requests that wait for an adapter slot now (`max_loras` distinct adapters run already)."""
     wait_shares: dict[str, float] | None = None
     """The share of request time in the engine spent waiting, by reason, over the window."""
     preemptions: int = 0
@@ -215,7 +217,15 @@ class StepAggregator:
                 sink.iteration(iteration, at)
         if report.scheduler is not None:
             state = report.scheduler
-            self.window.add_queue(state.engine, state.running, state.waiting, state.kv_cache_usage, state.reason, at)
+            self.window.add_queue(
+                state.engine,
+                state.running,
+                state.waiting,
+                state.kv_cache_usage,
+                state.reason,
+                at,
+                waiting_for_adapters=state.waiting_for_adapters,
+            )
             for sink in self._sinks:
                 sink.queue(state)
         if report.publisher is not None:
@@ -269,7 +279,9 @@ class StepAggregator:
                 )
                 phase_views[phase] = PhaseView(
                     figures,
-                    phase_verdict(phase, work, length, share, waits.get("kv_cache", 0.0), preempted),
+                    phase_verdict(
+                        phase, work, length, share, waits.get("kv_cache", 0.0), preempted, waits.get("adapters", 0.0)
+                    ),
                     cost.per_million_tokens.get(phase) if cost is not None else None,
                 )
             views.append(
@@ -291,6 +303,7 @@ class StepAggregator:
                     idle_cost_per_hour=cost.idle_per_hour if cost is not None else None,
                     kv_cache_capacity_tokens=self.kv_cache_capacity_tokens,
                     waiting_reason=self.window.waiting_reason(engine),
+                    waiting_for_adapters=self.window.waiting_for_adapters(engine),
                     wait_shares=waits,
                     preemptions=preempted,
                     sequences_fit=fits.get(engine),

@@ -395,7 +395,7 @@ class StepMetrics(StepSink, Collector):
             queue.add_metric(labels, view.queue_share)
             for reason in WAIT_REASONS:
                 waits.add_metric([*labels, reason], (view.wait_shares or {}).get(reason, 0.0))
-                waiting_now.add_metric([*labels, reason], view.waiting if reason == view.waiting_reason else 0.0)
+                waiting_now.add_metric([*labels, reason], _waiting_for(view, reason))
             if view.kv_cache_capacity_tokens:
                 kv_capacity.add_metric(labels, view.kv_cache_capacity_tokens)
                 kv_used.add_metric(labels, view.kv_cache_tokens)
@@ -547,3 +547,11 @@ class StepMetrics(StepSink, Collector):
             )
             memory.add_metric([self._model, source], self._peaks.memory_bytes)
             yield memory
+
+
+def _waiting_for(view: EngineView, reason: str) -> float:
+    """The engine's requests waiting now for `reason`: those for an adapter slot apart, the rest under the latest
+    sample's reason."""
+    if reason == "adapters":
+        return float(view.waiting_for_adapters)
+    return float(view.waiting - view.waiting_for_adapters) if reason == view.waiting_reason else 0.0

@@ -94,7 +94,10 @@ class SchedulerState:
     deferred: int = 0
     """Requests held back (a structured output's grammar still compiling)."""
     reason: str = "other"
-    """Why the waiting wait (`window.wait_reason`)."""
+    """Why the waiting wait (`window.wait_reason`), those waiting for an adapter slot apart."""
+    waiting_for_adapters: int = 0
+    """Of `waiting`, requests for a LoRA adapter the batch has no slot for: `max_loras` distinct adapters run
+    already and theirs is not one (vLLM's scheduler skips them while the batch may have room)."""
 
 
 @dataclass(frozen=True, slots=True)

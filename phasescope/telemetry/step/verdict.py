@@ -10,18 +10,22 @@ named constants; docs/metrics.md has a worked example of each verdict.
    waiting for blocks while it had a free slot (`window.wait_reason`). The batch is held back
    by the memory, not by the slots or the roofs: new prompts wait for blocks (prefill), and the
    decode batch cannot grow (or loses sequences to recomputation).
-1. `queue` (prefill only): requests spent at least `QUEUE_SHARE_FOR_VERDICT` of their time in
+1. `adapters` (prefill and decode): requests spent at least `ADAPTER_WAIT_SHARE_FOR_VERDICT` of
+   their time in the engine waiting for a LoRA adapter slot: `max_loras` distinct adapters ran
+   in the batch already and theirs was none of them, while the batch may have had room. The
+   wall is the adapter slots (`--max-loras`), not the KV cache, the batch slots or the roofs.
+2. `queue` (prefill only): requests spent at least `QUEUE_SHARE_FOR_VERDICT` of their time in
    the engine waiting (for a slot, or another reason than KV blocks) rather than running. What
    a new request's first token waits for is then the queue, whatever its prefill step does;
    decode is judged by its steps.
-2. `idle`: the phase's steps took less than `IDLE_BUSY_SHARE` of the window — too little work
+3. `idle`: the phase's steps took less than `IDLE_BUSY_SHARE` of the window — too little work
    to be bounded by anything.
-3. `host`: the phase's steps ran below `ROOF_ATTAINMENT_FOR_BOUND` of the roofline's
+4. `host`: the phase's steps ran below `ROOF_ATTAINMENT_FOR_BOUND` of the roofline's
    prediction for the work they did (predicted time = bytes ÷ peak bandwidth or FLOPs ÷ peak
    FLOP/s, the larger). The rest of the step time is not the hardware's limit: Python,
    scheduling, kernel launch and dispatch, or kernels far from their roof. The evidence is
    `phasescope_host_overhead_ratio` = 1 − predicted ÷ measured.
-4. `memory` or `compute`: the steps ran within that margin of their roof; which one is the
+5. `memory` or `compute`: the steps ran within that margin of their roof; which one is the
    side of the ridge point they sit on (bytes time vs FLOPs time, summed over the window).
 
 Why 0.7: a bandwidth-bound kernel that streams well reaches 70–90 % of the datasheet
@@ -35,7 +39,8 @@ four limits is hit, each `1 − used ÷ limit` clipped to [0, 1], the smallest w
 - `bandwidth`: the device's bandwidth saturation (decode's resource) against `--headroom-bandwidth`;
 - `compute`: the device's MFU (prefill's resource) against `--headroom-compute`;
 - `kv_cache`: KV-cache usage against `--headroom-kv-cache`;
-- `queue`: the share of request time spent waiting for a slot against `--headroom-queue`.
+- `queue`: the share of request time spent waiting (for a slot, for KV blocks or for an adapter slot)
+  against `--headroom-queue`: the adapter-slot wall takes headroom as it takes request time.
 Load here is proportional: twice the traffic roughly doubles bandwidth, FLOPs and KV use, so
 headroom 0.25 means about a third more load fits before the binding limit (1 ÷ 0.75).
 
@@ -50,7 +55,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-VERDICTS = ("memory", "compute", "host", "queue", "idle", "capacity")
+VERDICTS = ("memory", "compute", "host", "queue", "idle", "capacity", "adapters")
 HEADROOM_LIMITS = ("bandwidth", "compute", "kv_cache", "queue")
 
 ROOF_ATTAINMENT_FOR_BOUND = 0.7
@@ -63,6 +68,9 @@ QUEUE_SHARE_FOR_VERDICT = 0.5
 KV_WAIT_SHARE_FOR_VERDICT = 0.1
 """Both phases are `capacity`-bound when requests wait for KV-cache blocks, with a slot free, at least
 this share of their time in the engine (or a request was preempted)."""
+ADAPTER_WAIT_SHARE_FOR_VERDICT = 0.1
+"""Both phases are `adapters`-bound when requests wait for a LoRA adapter slot at least this share of their time in
+the engine."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,11 +108,15 @@ def phase_verdict(
     queue_share: float,
     kv_wait_share: float = 0.0,
     preemptions: int = 0,
+    adapter_wait_share: float = 0.0,
 ) -> Verdict:
-    """The decision rule of the module docstring (`queue_share` is every reason's wait, KV's included)."""
+    """The decision rule of the module docstring (`queue_share` is every reason's wait, KV's and the adapter
+    slots' included)."""
     overhead = host_overhead(work)
     if preemptions > 0 or kv_wait_share >= KV_WAIT_SHARE_FOR_VERDICT:
         return Verdict("capacity", overhead)
+    if adapter_wait_share >= ADAPTER_WAIT_SHARE_FOR_VERDICT:
+        return Verdict("adapters", overhead)
     if phase == "prefill" and queue_share >= QUEUE_SHARE_FOR_VERDICT:
         return Verdict("queue", overhead)
     if overhead is None or work.busy_seconds < IDLE_BUSY_SHARE * window_seconds:

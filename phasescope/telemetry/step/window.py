@@ -16,7 +16,7 @@ from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import PHASES, StepRecord
 
 DEFAULT_WINDOW_SECONDS = 10.0
-WAIT_REASONS = ("kv_cache", "slot", "other")
+WAIT_REASONS = ("kv_cache", "slot", "adapters", "other")
 """Why a request waits (vLLM's "capacity" reason, split): `slot` — the running batch is at max_num_seqs;
 `other` — the step used its whole token budget (max_num_batched_tokens); `kv_cache` — neither, so the
 scheduler left it waiting because the blocks for its next chunk were not free (or the step preempted a
@@ -26,7 +26,8 @@ running request for blocks)."""
 def wait_reason(running: int, max_running: int, scheduled_tokens: int, token_budget: int, preempted: bool) -> str:
     """Why the waiting requests of one scheduler sample wait (`WAIT_REASONS`), from the step that left them
     waiting: vLLM's scheduler admits waiting requests in order until a slot, the token budget or the KV
-    cache runs out (a text model without LoRA has no other limit)."""
+    cache runs out. Requests for a LoRA adapter the batch has no slot for are skipped, not stopped at: they
+    are counted apart (`adapters`, `SchedulerState.waiting_for_adapters`), and this is the others' reason."""
     if preempted:
         return "kv_cache"
     if max_running and running >= max_running:
@@ -192,9 +193,10 @@ class StepWindow:
         self._lock = threading.Lock()
         self._recent: deque[_Windowed] = deque()
         # Scheduler samples (time, engine, running, waiting, why they wait, KV-cache usage), one per stats update.
-        self._queue: deque[tuple[float, int, int, int, str, float]] = deque()
+        self._queue: deque[tuple[float, int, int, int, str, float, int]] = deque()
         self._scheduler: dict[int, tuple[int, int, float]] = {}
         self._reason: dict[int, str] = {}
+        self._waiting_for_adapters: dict[int, int] = {}
         # Preemptions (time, engine, count), as the engine reports them.
         self._preemptions: deque[tuple[float, int, int]] = deque()
 
@@ -213,14 +215,17 @@ class StepWindow:
         kv_cache_usage: float,
         reason: str = "other",
         at: float | None = None,
+        waiting_for_adapters: int = 0,
     ) -> None:
         """The engine's scheduler state at a stats update (every step, and after aborts) made at `at` (None:
-        now), and why its waiting requests wait (`wait_reason`)."""
+        now), and why its waiting requests wait (`wait_reason`; `waiting_for_adapters` of them for an adapter
+        slot)."""
         now = self._clock() if at is None else at
         with self._lock:
-            self._queue.append((now, engine, running, waiting, reason, kv_cache_usage))
+            self._queue.append((now, engine, running, waiting, reason, kv_cache_usage, waiting_for_adapters))
             self._scheduler[engine] = (running, waiting, kv_cache_usage)
             self._reason[engine] = reason
+            self._waiting_for_adapters[engine] = waiting_for_adapters
             self._expire(now)
 
     def add_preemptions(self, engine: int, count: int, at: float | None = None) -> None:
@@ -240,9 +245,15 @@ class StepWindow:
             return counts
 
     def waiting_reason(self, engine: int) -> str:
-        """Why the engine's waiting requests wait now (its latest sample's `wait_reason`)."""
+        """Why the engine's waiting requests wait now (its latest sample's `wait_reason`), those waiting for an
+        adapter slot apart (`waiting_for_adapters`)."""
         with self._lock:
             return self._reason.get(engine, "other")
+
+    def waiting_for_adapters(self, engine: int) -> int:
+        """The engine's waiting requests that wait for an adapter slot now (its latest sample's)."""
+        with self._lock:
+            return self._waiting_for_adapters.get(engine, 0)
 
     def _expire(self, now: float) -> None:
         horizon = now - self.window_seconds
@@ -267,11 +278,12 @@ class StepWindow:
         waited = {engine: dict.fromkeys(WAIT_REASONS, 0.0) for engine in range(self.engines)}
         total = dict.fromkeys(range(self.engines), 0.0)
         previous: dict[int, float] = {}
-        for at, engine, running, waiting, reason, _ in samples:
+        for at, engine, running, waiting, reason, _, for_adapters in samples:
             held = at - previous.get(engine, at)
             previous[engine] = at
             shares = waited.setdefault(engine, dict.fromkeys(WAIT_REASONS, 0.0))
-            shares[reason] += held * waiting
+            shares["adapters"] += held * for_adapters
+            shares[reason] += held * (waiting - for_adapters)
             total[engine] = total.get(engine, 0.0) + held * (waiting + running)
         return {
             engine: {reason: value / total[engine] if total[engine] else 0.0 for reason, value in shares.items()}
@@ -288,7 +300,7 @@ class StepWindow:
         sequence_seconds = dict.fromkeys(range(self.engines), 0.0)
         used = dict.fromkeys(range(self.engines), 0.0)
         previous: dict[int, float] = {}
-        for at, engine, running, _, _, usage in samples:
+        for at, engine, running, _, _, usage, _ in samples:
             held = at - previous.get(engine, at)
             previous[engine] = at
             sequence_seconds[engine] = sequence_seconds.get(engine, 0.0) + held * running

@@ -317,7 +317,15 @@ def test_decode_at_half_its_roof_reads_host_bound_and_near_it_memory_bound() -> 
     for _ in range(20):
         roofline.record(StepReport(step=decode_step(1, flops=2e6, read_bytes=2.6e9, elapsed=0.05)))
     assert gauge(registry, "phasescope_host_overhead_ratio", "decode") == pytest.approx(0.48)
-    assert verdicts(registry, "decode") == {"memory": 0, "compute": 0, "host": 1, "queue": 0, "idle": 0, "capacity": 0}
+    assert verdicts(registry, "decode") == {
+        "memory": 0,
+        "compute": 0,
+        "host": 1,
+        "queue": 0,
+        "idle": 0,
+        "capacity": 0,
+        "adapters": 0,
+    }
     # No step carried prefill: idle, and no overhead figure for it.
     assert verdicts(registry, "prefill")["idle"] == 1
     assert gauge(registry, "phasescope_host_overhead_ratio", "prefill") is None
@@ -372,6 +380,35 @@ def test_requests_waiting_for_kv_blocks_with_slots_free_read_capacity_bound_not_
     # Once nothing runs, the window still remembers what the sequences used.
     roofline.record(StepReport(scheduler=SchedulerState(0, running=0, waiting=0, kv_cache_usage=0.0)))
     assert device(registry, "phasescope_kv_cache_sequences_fit") == pytest.approx(2 / 0.96)
+
+
+def test_requests_waiting_for_an_adapter_slot_are_counted_apart_and_read_adapters_bound() -> None:
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
+    # Two running (one adapter each, --max-loras 2), four waiting: three for a third adapter, one for blocks.
+    for _ in range(3):
+        state = SchedulerState(0, running=2, waiting=4, kv_cache_usage=0.5, reason="kv_cache", waiting_for_adapters=3)
+        roofline.record(StepReport(scheduler=state))
+        clock.now += 1
+    assert reason_share(registry, "adapters") == pytest.approx(3 / 6)
+    assert reason_share(registry, "kv_cache") == pytest.approx(1 / 6)
+    assert device(registry, "phasescope_queue_wait_ratio") == pytest.approx(4 / 6)
+    waiting = {"model": "m", "engine": "0", "reason": "adapters"}
+    assert registry.get_sample_value("phasescope_engine_waiting_requests", waiting) == 3
+    assert registry.get_sample_value("phasescope_engine_waiting_requests", {**waiting, "reason": "kv_cache"}) == 1
+    # The KV wait is above its threshold too, and capacity comes first; without it, the adapter slots are the wall.
+    assert verdicts(registry, "prefill")["capacity"] == 1
+    clock, registry = FakeClock(), CollectorRegistry()
+    roofline = metrics(clock, registry, kv_cache_capacity_tokens=4096)
+    for _ in range(3):
+        state = SchedulerState(0, running=2, waiting=3, kv_cache_usage=0.5, reason="kv_cache", waiting_for_adapters=3)
+        roofline.record(StepReport(scheduler=state))
+        clock.now += 1
+    assert reason_share(registry, "kv_cache") == 0.0
+    assert verdicts(registry, "prefill")["adapters"] == 1
+    assert verdicts(registry, "decode")["adapters"] == 1
+    labels = {"model": "m", "engine": "0", "limit": "queue"}
+    assert registry.get_sample_value("phasescope_headroom_ratio", labels) == 0.0
 
 
 def test_why_a_request_waits_is_what_ended_the_steps_admission() -> None:
