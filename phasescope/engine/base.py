@@ -7,8 +7,8 @@ this seam keeps its unstable interfaces in one module.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from collections.abc import AsyncGenerator, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
@@ -97,6 +97,29 @@ class KvEventPublisher:
     high_water_mark: int | None = None
 
 
+# What the adapter label of the request series says for the base model, and for adapters past the label limit.
+RESERVED_ADAPTER_NAMES = (BASE_ADAPTER, OTHER_ADAPTERS)
+_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+
+
+def adapter_name_problem(name: str) -> str | None:
+    """Why `name` cannot name an adapter (it becomes a series label and a request field's value), or None."""
+    if not _ADAPTER_NAME.fullmatch(name):
+        return f"an adapter name is 1 to 64 letters, digits, '.', '_' or '-' (a letter or digit first), got {name!r}"
+    if name in RESERVED_ADAPTER_NAMES:
+        return f"{' and '.join(RESERVED_ADAPTER_NAMES)} are the series' own labels, not adapter names"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
+class Adapter:
+    """A LoRA adapter the engine serves over its base model, by the name requests select it with."""
+
+    name: str
+    path: str
+    shape: AdapterShape
+
+
 @dataclass(frozen=True, slots=True)
 class ModelDescription:
     """What GetModelInfo reports."""
@@ -139,29 +162,10 @@ class ModelDescription:
     max_loras: int = 0
     """Distinct LoRA adapters one step can run (vLLM's max_loras); 0: the engine runs no adapters."""
     max_lora_rank: int = 0
-
-
-# What the adapter label of the request series says for the base model, and for adapters past the label limit.
-RESERVED_ADAPTER_NAMES = (BASE_ADAPTER, OTHER_ADAPTERS)
-_ADAPTER_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-
-
-def adapter_name_problem(name: str) -> str | None:
-    """Why `name` cannot name an adapter (it becomes a series label and a request field's value), or None."""
-    if not _ADAPTER_NAME.fullmatch(name):
-        return f"an adapter name is 1 to 64 letters, digits, '.', '_' or '-' (a letter or digit first), got {name!r}"
-    if name in RESERVED_ADAPTER_NAMES:
-        return f"{' and '.join(RESERVED_ADAPTER_NAMES)} are the series' own labels, not adapter names"
-    return None
-
-
-@dataclass(frozen=True, slots=True)
-class Adapter:
-    """A LoRA adapter the engine serves over its base model, by the name requests select it with."""
-
-    name: str
-    path: str
-    shape: AdapterShape
+    adapters_by_id: Mapping[int, Adapter] = field(default_factory=dict)
+    """Every adapter the engine has loaded, by its id in the engine (what a step's report names): kept up to date
+    by the engine as adapters are loaded, and kept after one is unloaded (its last steps may still be on their
+    way)."""
 
 
 @dataclass(frozen=True, slots=True)

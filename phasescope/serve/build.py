@@ -139,6 +139,7 @@ def step_aggregator(
         drafter=Drafter(tokens=speculative.num_speculative_tokens, model=speculative.draft_cost)
         if (speculative := description.speculative) is not None
         else None,
+        adapters=description.adapters_by_id,
     )
 
 
@@ -231,7 +232,7 @@ class Built:
             aggregator = step_aggregator(
                 self.settings, description, peaks, (self.recent,), self.pipeline, self.telemetry_errors
             )
-            step_metrics = StepMetrics(self.model_name, aggregator)
+            step_metrics = StepMetrics(self.model_name, aggregator, self.path.adapter_labels.label)
             aggregator.add_sink(step_metrics)
             self.registry.register(step_metrics)
             self.steps.attach(aggregator.record)

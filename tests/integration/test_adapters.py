@@ -211,3 +211,34 @@ def test_with_one_adapter_slot_requests_for_two_adapters_wait_for_adapters_and_t
     assert max(verdicts) == 1
     # Nothing waited for KV blocks or a batch slot: the adapter slot was the wall.
     assert max(sum_samples(s, "phasescope_engine_waiting_requests", reason="slot") for s in scrapes) == 0
+
+
+def test_a_step_that_runs_an_adapter_reads_its_matrices_once_and_pays_its_flops_per_token(
+    lora_server: ServerProcess,
+) -> None:
+    # One request alone, with the random adapter: its prefill step and each decode step run it once.
+    with lora_server.client() as client:
+        noise = next(adapter for adapter in client.model_info().adapters if adapter.name == "noise")
+
+    def read() -> tuple[float, float, float]:
+        samples = lora_server.samples()
+        return (
+            sum_samples(samples, "phasescope_adapter_read_bytes_total", adapter="noise"),
+            sum_samples(samples, "phasescope_adapter_flops_total", adapter="noise"),
+            sum_samples(samples, "phasescope_adapter_steps_total", adapter="noise"),
+        )
+
+    lora_server.wait_engine_idle()
+    bytes_before, flops_before, steps_before = read()
+    with lora_server.client() as client:
+        answer = client.generate(build_request(token_ids=PROMPT, max_tokens=12, ignore_eos=True, adapter="noise"))
+    # The last step's report reaches the series from the engine core a moment after the answer: read until it is
+    # there, up to 10 s.
+    deadline = time.monotonic() + 10
+    while (after := read())[2] - steps_before < answer.usage.completion_tokens and time.monotonic() < deadline:
+        time.sleep(0.05)
+    bytes_after, flops_after, steps_after = after
+    # The prompt in one step, then one step per further token.
+    assert steps_after - steps_before == answer.usage.completion_tokens == 12
+    assert bytes_after - bytes_before == pytest.approx(12 * noise.bytes)
+    assert flops_after - flops_before == pytest.approx((len(PROMPT) + 12 - 1) * noise.flops_per_token)

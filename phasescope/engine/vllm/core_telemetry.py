@@ -39,6 +39,7 @@ from phasescope.engine.vllm import ASYNC_TELEMETRY_SCHEDULER, TELEMETRY_SCHEDULE
 from phasescope.engine.vllm.model_facts import engine_facts
 from phasescope.environment import env_telemetry_endpoint, env_telemetry_gather_seconds
 from phasescope.telemetry.step.records import (
+    AdapterTokens,
     EngineIteration,
     EngineRequestRecord,
     SchedulerState,
@@ -159,6 +160,8 @@ class CoreTelemetry:
         self._kv_cache_capacity_tokens = (cache.num_gpu_blocks or 0) * (cache.block_size or 0)
         # When each scheduled batch went to the executor, by the scheduler output's identity.
         self._handed_at: dict[int, float] = {}
+        # Each scheduled batch's LoRA adapters and their tokens, the same way (with LoRA on only).
+        self._adapters_of: dict[int, tuple[AdapterTokens, ...]] = {}
         self._last_update_end = 0.0
         # Each request in the engine, by id: its stamps and counts so far.
         self._requests: dict[str, _Request] = {}
@@ -169,6 +172,9 @@ class CoreTelemetry:
 
     def scheduled(self, scheduler_output: Any) -> None:
         self._handed_at[id(scheduler_output)] = self._clock()
+        if self._max_loras:
+            # Read now: a request the step finishes is freed before the step's report is made.
+            self._adapters_of[id(scheduler_output)] = self._adapter_tokens(scheduler_output)
 
     def stats_made(self, perf_stats: Any, spec_decoding_stats: Any) -> None:
         if self._in_update:
@@ -266,6 +272,7 @@ class CoreTelemetry:
 
     def _report(self, scheduler_output: Any, outputs: dict[int, Any], elapsed_seconds: float) -> StepReport:
         scheduler = self._scheduler
+        adapters = self._adapters_of.pop(id(scheduler_output), ()) if self._adapters_of else ()
         iteration, finished = self._outputs(outputs)
         running, waiting = scheduler.get_request_counts()
         deferred = len(scheduler.deferred_waiting)
@@ -308,8 +315,25 @@ class CoreTelemetry:
             written_bytes=float(perf.num_write_bytes_per_gpu) if perf is not None else None,
             kv_cache_tokens=round(kv_cache_usage * self._kv_cache_capacity_tokens),
             speculative=speculative_step(self._speculation),
+            adapters=adapters,
         )
         return StepReport(iteration=iteration, scheduler=state, step=step, finished=tuple(finished))
+
+    def _adapter_tokens(self, scheduler_output: Any) -> tuple[AdapterTokens, ...]:
+        """Each distinct LoRA adapter the step ran and its sequences' tokens, prompt chunks apart from decodes (as
+        vLLM's `compute_iteration_details` tells them apart: a new request or one still in its context phase)."""
+        requests = self._scheduler.requests
+        new = {request.req_id for request in scheduler_output.scheduled_new_reqs}
+        cached = scheduler_output.scheduled_cached_reqs
+        tokens: dict[int, list[int]] = {}
+        for request_id, count in scheduler_output.num_scheduled_tokens.items():
+            request = requests.get(request_id)
+            lora = request.lora_request if request is not None else None
+            if lora is None:
+                continue
+            split = tokens.setdefault(lora.lora_int_id, [0, 0])
+            split[0 if request_id in new or cached.is_context_phase(request_id) else 1] += count
+        return tuple(AdapterTokens(adapter, prefill, decode) for adapter, (prefill, decode) in tokens.items())
 
     def _waiting_for_adapters(self) -> int:
         """The skipped requests whose LoRA adapter had no slot: the batch runs `max_loras` distinct adapters and

@@ -346,6 +346,7 @@ def describe(
     *,
     kv_connector: KvConnector | None = None,
     kv_event_publishers: tuple[KvEventPublisher, ...] = (),
+    adapters_by_id: dict[int, Adapter] | None = None,
 ) -> ModelDescription:
     """The model and engine as vLLM's configuration says (the KV cache's size once the engine has measured it)."""
     import vllm
@@ -382,6 +383,7 @@ def describe(
         kv_connector=kv_connector,
         max_loras=int(vllm_config.lora_config.max_loras) if vllm_config.lora_config is not None else 0,
         max_lora_rank=int(vllm_config.lora_config.max_lora_rank) if vllm_config.lora_config is not None else 0,
+        adapters_by_id=adapters_by_id if adapters_by_id is not None else {},
         **_model_facts(vllm_config),
     )
 
@@ -467,6 +469,8 @@ class Adapters:
         self._max_rank = max_rank
         self._served: dict[str, _Served] = {}
         self._next_id = 1
+        self.by_id: dict[int, Adapter] = {}
+        """Every adapter served, by its id in the engine (`ModelDescription.adapters_by_id`)."""
 
     def check(self, name: str, path: str) -> _Served:
         """vLLM's request for a new adapter `name` in `path`, checked (AdapterError, one line, when it is refused)."""
@@ -479,6 +483,7 @@ class Adapters:
 
     def add(self, served: _Served) -> Adapter:
         self._served[served.adapter.name] = served
+        self.by_id[served.request.lora_int_id] = served.adapter
         return served.adapter
 
     def __contains__(self, name: str) -> bool:
@@ -584,6 +589,7 @@ class VllmEngine:
                 served_model_name,
                 kv_connector=_kv_connector(kv_transfer.given if kv_transfer is not None else None),
                 kv_event_publishers=_kv_event_publishers(llm),
+                adapters_by_id=adapters.by_id,
             )
             engine = cls(llm, description, hub, adapters)
         except BaseException:

@@ -25,6 +25,7 @@ import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from phasescope.telemetry.model.cost import model_shape
 
@@ -55,6 +56,16 @@ class AdapterShape:
     """Every A and B matrix's bytes as stored: what a step that runs it reads."""
     flops_per_token: float
     """2 × r × (in + out) summed over every adapted projection of every layer."""
+
+
+class NamedAdapter(Protocol):
+    """An adapter as the step telemetry reads it: its name and what it holds (the engine's `Adapter`)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def shape(self) -> AdapterShape: ...
 
 
 def projection_sizes(config: Mapping[str, object]) -> dict[str, tuple[int, int]]:

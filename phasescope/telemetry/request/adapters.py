@@ -9,17 +9,21 @@ tokens and latency still count there, and GetModelInfo lists it by name).
 
 from __future__ import annotations
 
+import threading
+
 BASE_ADAPTER = "base"
 OTHER_ADAPTERS = "other"
 DEFAULT_ADAPTER_LABELS = 32
 
 
 class AdapterLabels:
-    """Each adapter's label (`label`); one per server, called on the event loop."""
+    """Each adapter's label (`label`); one per server, shared by the request series (the event loop) and the
+    adapter step series (where steps are aggregated)."""
 
     def __init__(self, limit: int = DEFAULT_ADAPTER_LABELS) -> None:
         self._limit = limit
         self._named: set[str] = set()
+        self._lock = threading.Lock()
 
     def label(self, adapter: str, served: bool = True) -> str:
         """The label of a request for `adapter` ("": the base model); `served`: the worker serves it."""
@@ -27,7 +31,8 @@ class AdapterLabels:
             return BASE_ADAPTER
         if adapter in self._named:
             return adapter
-        if served and len(self._named) < self._limit:
-            self._named.add(adapter)
-            return adapter
+        with self._lock:
+            if served and (adapter in self._named or len(self._named) < self._limit):
+                self._named.add(adapter)
+                return adapter
         return OTHER_ADAPTERS

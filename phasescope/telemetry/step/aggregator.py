@@ -17,10 +17,11 @@ updated at once: the requests whose tokens a step made read its totals next.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
+from phasescope.telemetry.model.adapter import NamedAdapter
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.model.speculation import Drafter
 from phasescope.telemetry.pipeline import TelemetryPipeline
@@ -136,11 +137,13 @@ class StepAggregator:
         pipeline: TelemetryPipeline | None = None,
         on_error: Callable[[str, BaseException], None] = lambda component, exc: None,
         drafter: Drafter | None = None,
+        adapters: Mapping[int, NamedAdapter] | None = None,
     ) -> None:
         """`cost_per_hour` is each engine's price (None: no cost figures); `kv_cache_capacity_tokens` its KV
         cache's size (0: unknown). `pipeline`: where reports wait before they are aggregated (None: at once);
         a report that cannot be aggregated goes to `on_error` and costs that report only. `drafter`: what proposes
-        the drafts under speculative decoding (None: off)."""
+        the drafts under speculative decoding (None: off). `adapters`: the engine's LoRA adapters by their id in it,
+        read as steps name them (kept up to date by the engine)."""
         self.kv_cache_capacity_tokens = kv_cache_capacity_tokens
         self.cost = cost
         self.dtype = dtype
@@ -158,6 +161,7 @@ class StepAggregator:
         self._pipeline = pipeline
         self._on_error = on_error
         self._drafter = drafter
+        self.adapters: Mapping[int, NamedAdapter] = adapters if adapters is not None else {}
 
     def read_interference(self, engine: int) -> Interference:
         """An engine's running interference totals, for a request to difference over its decode."""
@@ -167,7 +171,11 @@ class StepAggregator:
         # Made at the first step: a device with no peak FLOP/s for the dtype fails each step, not the start.
         if self._attributor is None:
             self._attributor = StepAttributor(
-                self.cost, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, self._drafter
+                self.cost,
+                self.peak_memory_bandwidth_bytes_per_second,
+                self.peak_flops,
+                self._drafter,
+                adapters=self.adapters,
             )
         return self._attributor(step)
 

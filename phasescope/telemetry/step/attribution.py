@@ -32,12 +32,21 @@ useful and wasted FLOPs and the drafter's work and time are counted is the specu
 (`phasescope.telemetry.model.speculation`, whose rules the roofline calculator follows too). Beside each
 verify step goes the roofline time of a plain decode step of the same sequences at the same context, so
 a window can say whether speculation pays (`window.SpeculationFigures`).
+
+**LoRA adapters.** Neither the engine's estimate nor the base cost model counts them, so a step's adapters
+are added on top (`adapter_work`): each distinct adapter the step ran reads its A and B matrices once
+(`phasescope.telemetry.model.adapter.AdapterShape.bytes`), shared between its prompt chunks and its decodes
+by their tokens, and costs its FLOPs per token for each of its sequences' tokens, each phase its own; per
+device, the matrices sharded as the model is. The cross-check of the engine's estimate (`model_flops`,
+`model_read_bytes`) stays the base model's.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 
+from phasescope.telemetry.model.adapter import NamedAdapter
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.model.speculation import (
     Drafter,
@@ -113,6 +122,38 @@ class StepCost:
     """Under speculative decoding, a verify step's decode work."""
 
 
+@dataclass(frozen=True, slots=True)
+class AdapterWork:
+    """What a step's LoRA adapters add, per device, by phase: each distinct adapter's A and B matrices read once
+    (shared between its prompt chunks and its decodes by their tokens), and its FLOPs per token."""
+
+    prefill_flops: float = 0.0
+    decode_flops: float = 0.0
+    prefill_bytes: float = 0.0
+    decode_bytes: float = 0.0
+
+
+NO_ADAPTER_WORK = AdapterWork()
+
+
+def adapter_work(step: StepRecord, adapters: Mapping[int, NamedAdapter], devices: int = 1) -> AdapterWork:
+    """The step's adapters' work (`AdapterWork`); an adapter the engine does not know (yet) adds nothing."""
+    if not step.adapters:
+        return NO_ADAPTER_WORK
+    prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0.0
+    for tokens in step.adapters:
+        adapter = adapters.get(tokens.adapter)
+        total = tokens.prefill_tokens + tokens.decode_tokens
+        if adapter is None or not total:
+            continue
+        shape = adapter.shape
+        prefill_flops += tokens.prefill_tokens * shape.flops_per_token / devices
+        decode_flops += tokens.decode_tokens * shape.flops_per_token / devices
+        prefill_bytes += shape.bytes / devices * tokens.prefill_tokens / total
+        decode_bytes += shape.bytes / devices * tokens.decode_tokens / total
+    return AdapterWork(prefill_flops, decode_flops, prefill_bytes, decode_bytes)
+
+
 def decode_context_tokens(step: StepRecord) -> int:
     """Tokens in the KV cache of the step's decoding sequences: the cache in use less the chunks' tokens."""
     return max(0, step.kv_cache_tokens - step.prefill_tokens)
@@ -128,9 +169,12 @@ class StepAttributor:
         peak_bandwidth_bytes_per_second: float,
         peak_flops: float,
         drafter: Drafter | None = None,
+        *,
+        adapters: Mapping[int, NamedAdapter] | None = None,
     ) -> None:
         """`drafter`: what proposes the drafts under speculative decoding (None: it is off); host code or a draft
-        model, whose work is counted (a draft cost ratio has none: ValueError)."""
+        model, whose work is counted (a draft cost ratio has none: ValueError). `adapters`: the LoRA adapters a
+        step may name, by their id in the engine (`adapter_work`)."""
         if drafter is not None and drafter.cost_ratio:
             raise ValueError("the step attribution counts a draft model's work: a draft cost ratio is the calculator's")
         self.cost = cost
@@ -138,6 +182,7 @@ class StepAttributor:
         self._bandwidth = peak_bandwidth_bytes_per_second
         self._flops = peak_flops
         self._kv_bytes = cost.device_kv_cache_bytes_per_token
+        self._adapters: Mapping[int, NamedAdapter] = adapters if adapters is not None else {}
         # A dense model's step reads all its weights, whatever its tokens.
         self._dense_weights = cost.device_weight_bytes if cost.experts is None else None
 
@@ -192,6 +237,10 @@ class StepAttributor:
             written_bytes = step.written_bytes if step.written_bytes is not None else model_written
         else:  # the engine's estimate takes a verify step for prefill: the cost model's, and the drafter's work
             flops, read_bytes, written_bytes = model_flops + drafter_flops, model_read + drafter_bytes, model_written
+        # The LoRA adapters' matrices and FLOPs, which neither estimate counts: on top, each phase its own part.
+        adapters = adapter_work(step, self._adapters, self.cost.devices)
+        flops += adapters.prefill_flops + adapters.decode_flops
+        read_bytes += adapters.prefill_bytes + adapters.decode_bytes
         emitted = (
             emitted_tokens(step.decode_tokens, speculative.rejected_tokens)
             if speculative is not None
@@ -222,8 +271,8 @@ class StepAttributor:
             decode_flops, decode_read, decode_written = flops, read_bytes, written_bytes
             decode_seconds = step.elapsed_seconds
         else:
-            decode_flops = min(flops, verify_flops + drafter_flops)
-            decode_read = min(read_bytes, verify_read + drafter_bytes)
+            decode_flops = min(flops, verify_flops + drafter_flops + adapters.decode_flops)
+            decode_read = min(read_bytes, verify_read + drafter_bytes + adapters.decode_bytes)
             decode_written = min(written_bytes, verify_written)
             decode_time = self._roofline_seconds(decode_flops, decode_read + decode_written)
             prefill_time = self._roofline_seconds(
@@ -283,6 +332,8 @@ def attribute_step(
     peak_bandwidth_bytes_per_second: float,
     peak_flops: float,
     drafter: Drafter | None = None,
+    *,
+    adapters: Mapping[int, NamedAdapter] | None = None,
 ) -> StepCost:
     """Totals of a step (the engine's estimate when it gives one) and each phase's charge (module docstring)."""
-    return StepAttributor(cost, peak_bandwidth_bytes_per_second, peak_flops, drafter)(step)
+    return StepAttributor(cost, peak_bandwidth_bytes_per_second, peak_flops, drafter, adapters=adapters)(step)

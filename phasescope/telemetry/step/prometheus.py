@@ -10,7 +10,7 @@ instead of a misleading 0.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from prometheus_client import Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -36,10 +36,12 @@ class StepMetrics(StepSink, Collector):
     """The aggregated steps as Prometheus series: counters as each report arrives, the window's
     gauges, verdicts, headroom and cost when scraped (all read from the `StepAggregator`)."""
 
-    def __init__(self, model: str, steps: StepAggregator) -> None:
+    def __init__(self, model: str, steps: StepAggregator, adapter_label: Callable[[str], str] = str) -> None:
         """Makes its series and registers nothing: the server registers it in its registry (one collector, its
-        series in the order made here) and adds it to `steps`' sinks (`phasescope.serve.build`)."""
+        series in the order made here) and adds it to `steps`' sinks (`phasescope.serve.build`). `adapter_label`
+        names an adapter in the adapter series (the request series' bounded label)."""
         self._model = model
+        self._adapter_label = adapter_label
         self._steps = steps
         self._peaks = steps.peaks
         self._dtype = steps.dtype
@@ -160,6 +162,23 @@ class StepMetrics(StepSink, Collector):
         # Each (engine, phase)'s series of flops, bytes_read, written_bytes, busy_seconds and step_tokens.
         self._phase_series: dict[tuple[str, str], tuple[CounterSeries, ...]] = {}
         # What `collect` yields before the window's figures, in this order.
+        self.adapter_flops = SumCounter(
+            "phasescope_adapter_flops",
+            "Modelled FLOPs of each LoRA adapter on each device: 2 × rank × (inputs + outputs) of every adapted "
+            "projection, per token of its sequences (counted in phasescope_model_flops too).",
+            ["model", "adapter"],
+        )
+        self.adapter_read_bytes = SumCounter(
+            "phasescope_adapter_read_bytes",
+            "Modelled bytes each LoRA adapter's matrices cost on each device: every A and B once per step that ran "
+            "one of its sequences (counted in phasescope_model_read_bytes too).",
+            ["model", "adapter"],
+        )
+        self.adapter_steps = SumCounter(
+            "phasescope_adapter_steps",
+            "Engine steps that ran at least one sequence of each LoRA adapter.",
+            ["model", "adapter"],
+        )
         self._series: tuple[Collector, ...] = (
             self.flops,
             self.bytes_read,
@@ -178,7 +197,25 @@ class StepMetrics(StepSink, Collector):
             self.inter_token_latency_seconds,
             self.engine_requests,
             self.kv_cache_usage,
+            self.adapter_flops,
+            self.adapter_read_bytes,
+            self.adapter_steps,
         )
+
+    def _count_adapters(self, step: StepRecord) -> None:
+        """Each adapter's part of the step, as the attribution charged it (`attribution.adapter_work`)."""
+        adapters, devices = self._steps.adapters, self._steps.cost.devices
+        for tokens in step.adapters:
+            adapter = adapters.get(tokens.adapter)
+            if adapter is None:
+                continue
+            label = self._adapter_label(adapter.name)
+            shape = adapter.shape
+            self.adapter_flops.inc(
+                (tokens.prefill_tokens + tokens.decode_tokens) * shape.flops_per_token / devices, self._model, label
+            )
+            self.adapter_read_bytes.inc(shape.bytes / devices, self._model, label)
+            self.adapter_steps.inc(1, self._model, label)
 
     def queue(self, state: SchedulerState) -> None:
         if self._last_queue.get(state.engine) == state:
@@ -231,6 +268,8 @@ class StepMetrics(StepSink, Collector):
             written_bytes.inc(share.written_bytes)
             busy_seconds.inc(share.seconds)
             tokens.inc(share.tokens)
+        if step.adapters:
+            self._count_adapters(step)
         if (speculative := step.speculative) is not None:
             model = self._model
             self.speculative_drafts.inc(speculative.drafts, model, engine)

@@ -38,6 +38,16 @@ class SpeculativeStep:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterTokens:
+    """What one LoRA adapter's sequences computed in a step."""
+
+    adapter: int
+    """The engine's id for the adapter (vLLM's lora_int_id)."""
+    prefill_tokens: int
+    decode_tokens: int
+
+
+@dataclass(frozen=True, slots=True)
 class StepRecord:
     """One engine step, as the engine core accounted it."""
 
@@ -59,6 +69,8 @@ class StepRecord:
     """Tokens held in the KV cache at this step (read once by a decode step)."""
     speculative: SpeculativeStep | None = None
     """What the step's verification accepted, under speculative decoding."""
+    adapters: tuple[AdapterTokens, ...] = ()
+    """Each distinct LoRA adapter the step ran, with its sequences' tokens (none: the base model only)."""
 
     @property
     def kind(self) -> str:
