@@ -12,9 +12,16 @@ from typing import TYPE_CHECKING, Any
 
 from phasescope.telemetry.exposition import Samples, fetch_samples
 from phasescope.telemetry.hardware.peaks import DATASHEET, HardwarePeaks, PeakSource, dtype_family, lookup_device
+from phasescope.telemetry.model.adapter import AdapterError, read_adapter
 from phasescope.telemetry.model.capacity import DEFAULT_GPU_MEMORY_UTILIZATION
-from phasescope.telemetry.model.cost import ModelCost, model_cost_from_folder, model_cost_from_numbers
+from phasescope.telemetry.model.cost import (
+    ModelCost,
+    model_cost_from_folder,
+    model_cost_from_numbers,
+    resolve_model_path,
+)
 from phasescope.telemetry.model.disaggregation import DEFAULT_LINK, LINKS, Disaggregation, Link, disaggregation
+from phasescope.telemetry.model.lora import DEFAULT_LORA_TARGETS, LoraReport, lora_rows, lora_shape
 from phasescope.telemetry.model.roofline import DEFAULT_BATCH_SIZES, RooflineReport, roofline
 from phasescope.telemetry.model.speculation import (
     FREE_DRAFTER,
@@ -129,6 +136,26 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         type=float,
         help="with --disaggregate: the link's bytes/s per GPU in one direction, e.g. 50e9; instead of --link",
     )
+    parser.add_argument(
+        "--lora-rank",
+        type=int,
+        help="LoRA adapters: each adapter's rank; adds each batch's decode with its sequences spread over "
+        "--lora-adapters distinct adapters (needs --model: the projections' sizes come from its config)",
+    )
+    parser.add_argument(
+        "--lora-adapters", type=int, default=1, help="with --lora-rank: distinct adapters per batch (default 1)"
+    )
+    parser.add_argument(
+        "--lora-targets",
+        default=",".join(DEFAULT_LORA_TARGETS),
+        help=f"with --lora-rank: the adapted projections, comma-separated (default {','.join(DEFAULT_LORA_TARGETS)})",
+    )
+    parser.add_argument(
+        "--lora-adapter",
+        type=Path,
+        help="LoRA adapters: a real PEFT adapter folder whose rank, targets and stored bytes the adapters have "
+        "(checked against --model); instead of --lora-rank",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     parser.add_argument("--plot", type=Path, help="draw the roofline chart to this PNG file")
     parser.add_argument("--metrics-url", help="add a running server's live operating points (its /metrics URL)")
@@ -208,6 +235,54 @@ def _drafter(args: argparse.Namespace, speculative_tokens: int | None) -> Drafte
         # Split over the same devices as the model it drafts for, its figures per device like the model's.
         return Drafter(model=draft.sharded(args.tensor_parallel_size, args.pipeline_parallel_size), name=folder)
     return FREE_DRAFTER
+
+
+def _lora(
+    args: argparse.Namespace, cost: ModelCost, peaks: HardwarePeaks, batches: tuple[int, ...]
+) -> LoraReport | None:
+    """--lora-rank (with --lora-adapters and --lora-targets) or --lora-adapter, against --model's config; None
+    without either. ValueError names the flag at fault."""
+    if args.lora_rank is None and args.lora_adapter is None:
+        return None
+    flag = "--lora-adapter" if args.lora_adapter is not None else "--lora-rank"
+    if args.lora_rank is not None and args.lora_adapter is not None:
+        raise ValueError("--lora-rank and --lora-adapter are alternatives: give one")
+    if args.model is None:
+        raise ValueError(f"{flag} needs --model: the adapted projections' sizes come from the model's config")
+    if args.lora_adapters < 1:
+        raise ValueError(f"--lora-adapters must be at least 1, got {args.lora_adapters}")
+    path = resolve_model_path(args.model)
+    config = json.loads((path / "config.json" if path.is_dir() else path).read_text())
+    if args.lora_adapter is not None:
+        try:
+            shape = read_adapter(args.lora_adapter, config, max_rank=2**20)
+        except AdapterError as exc:
+            raise ValueError(f"--lora-adapter {args.lora_adapter}: {exc}") from exc
+    else:
+        targets = [target.strip() for target in args.lora_targets.split(",") if target.strip()]
+        try:
+            shape = lora_shape(config, args.lora_rank, targets, args.dtype)
+        except ValueError as exc:
+            raise ValueError(f"{flag}: {exc}") from exc
+    return lora_rows(cost, peaks, args.dtype, batches, args.context, shape, args.lora_adapters)
+
+
+def print_lora(lora: LoraReport) -> None:
+    """Each batch with its sequences over n distinct adapters, beside the base model's decode."""
+    print(
+        f"\nLoRA: {lora.adapters} distinct adapter{'s' if lora.adapters != 1 else ''} per batch, rank {lora.rank} of "
+        f"{', '.join(lora.targets)}: {lora.adapter_bytes / 1e6:,.2f} MB of matrices each (read once per step per "
+        f"distinct adapter), {lora.adapter_flops_per_token / 1e6:,.3f} MFLOP per token"
+    )
+    print(
+        f"{'batch':>6} {'adapters':>8} {'tok/s':>12} {'base tok/s':>12} {'ratio':>7} {'adapter bytes':>14} {'bound':>8}"
+    )
+    for row in lora.rows:
+        print(
+            f"{row.batch_size:>6,} {row.distinct_adapters:>8} {row.decode_tokens_per_second_total:>12,.1f} "
+            f"{row.base_decode_tokens_per_second_total:>12,.1f} {row.throughput_ratio:>7.3f} "
+            f"{row.adapter_share_of_bytes:>13.1%} {row.bound:>8}"
+        )
 
 
 def _disaggregation_args(args: argparse.Namespace) -> tuple[int, float, Link] | None:
@@ -674,7 +749,8 @@ def cmd(args: argparse.Namespace) -> int:
         speculative_tokens, acceptance_rate = _speculation_args(args)
         drafter = _drafter(args, speculative_tokens)
         disaggregating = _disaggregation_args(args)
-    except ValueError as exc:
+        lora = _lora(args, cost, peaks, batch_sizes)
+    except (ValueError, OSError) as exc:
         print(f"phasescope roofline: {exc}", file=sys.stderr)
         return 2
     report = roofline(
@@ -718,6 +794,8 @@ def cmd(args: argparse.Namespace) -> int:
         if disaggregating is not None:
             # One object, not fields beside the rows: its figures are for whole requests, not a batch size.
             data["disaggregation"] = asdict(disagg) if disagg is not None else None
+        if lora is not None:
+            data["lora"] = asdict(lora)
         if args.cost_per_hour is not None:
             data["cost_per_hour"] = args.cost_per_hour
             for row, price in zip(data["rows"], report.cost_per_million_tokens(args.cost_per_hour), strict=True):
@@ -730,6 +808,8 @@ def cmd(args: argparse.Namespace) -> int:
             return 1
     else:
         print_table(report, args.cost_per_hour)
+        if lora is not None:
+            print_lora(lora)
         if disagg is not None:
             print_disaggregation(disagg)
         for point in live:
