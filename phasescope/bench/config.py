@@ -16,6 +16,7 @@ from typing import Any
 
 from phasescope.bench.slo import SloError, parse_slo
 from phasescope.bench.workload import (
+    AdapterMix,
     DatasetPrompt,
     LengthDistribution,
     WorkloadError,
@@ -23,6 +24,7 @@ from phasescope.bench.workload import (
     file_sha256,
     read_dataset,
 )
+from phasescope.telemetry.model.adapter import MAX_LORA_RANKS
 
 
 class ConfigError(ValueError):
@@ -166,6 +168,8 @@ class BenchConfig:
     prompts_file_sha256: str | None = None
     command: str = ""
     """The command line that ran, to rerun it."""
+    adapter_rank: int = 8
+    """With `workload.adapters`: each adapter's rank."""
 
     @property
     def external(self) -> bool:
@@ -210,7 +214,11 @@ class BenchConfig:
 
     def parameters(self) -> dict[str, Any]:
         """Every parameter, as written into the results."""
+        mix = self.workload.adapter_mix
         return {
+            "adapters": self.workload.adapters,
+            "adapter_mix": mix.describe() if mix is not None else None,
+            "adapter_rank": self.adapter_rank if self.workload.adapters else None,
             "points": [list(point) for point in self.points],
             "requests": self.requests,
             "warmup": self.warmup,
@@ -246,6 +254,28 @@ class BenchConfig:
             "gateway_url": self.gateway_url,
             "output_dir": str(self.output_dir),
         }
+
+
+def _adapter_mix(args: argparse.Namespace) -> AdapterMix | None:
+    """--adapters, --adapter-mix and --adapter-rank checked: the mix, or None without adapters."""
+    if args.adapters < 0:
+        raise ConfigError(f"--adapters must be 0 or more, got {args.adapters}")
+    if not args.adapters:
+        return None
+    if args.adapter_rank not in MAX_LORA_RANKS:
+        ranks = ", ".join(map(str, MAX_LORA_RANKS))
+        raise ConfigError(f"--adapter-rank must be one of {ranks} (vLLM's LoRA kernels), got {args.adapter_rank}")
+    others = [flag for flag, given in (("--address", args.address), ("--compare", args.compare),
+                                       ("--vllm-grpc-address", args.vllm_grpc_address),
+                                       ("--gateway-url", args.gateway_url)) if given]  # fmt: skip
+    if others:
+        raise ConfigError(
+            f"--adapters needs the phasescope started here (it makes the adapters and serves them); drop {others[0]}"
+        )
+    try:
+        return AdapterMix.parse(args.adapter_mix)
+    except WorkloadError as exc:
+        raise ConfigError(f"--adapter-mix: {exc}") from exc
 
 
 def _values(text: str, flag: str, kind: type[float] | type[int]) -> list[float]:
@@ -330,6 +360,7 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
                           "alone start none (add --compare, or drop --tiny-model)")  # fmt: skip
     if not args.settle >= 0:
         raise ConfigError(f"--settle must be ≥ 0 seconds, got {args.settle}")
+    adapter_mix = _adapter_mix(args)
     serve_env, serve_args = serve_words(args.serve_args, "--serve-args")
     variants = tuple(parse_variant(text) for text in args.variant)
     if len({variant.name for variant in variants}) < len(variants):
@@ -343,7 +374,10 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         warmup=args.warmup,
         repeats=args.repeats,
         seed=args.seed,
-        workload=WorkloadSpec(prompt_tokens, output_tokens, args.shared_prefix_tokens, dataset, args.seed),
+        workload=WorkloadSpec(
+            prompt_tokens, output_tokens, args.shared_prefix_tokens, dataset, args.seed, args.adapters, adapter_mix
+        ),
+        adapter_rank=args.adapter_rank,
         api=args.api,
         model=args.model,
         tiny_model=args.tiny_model,

@@ -43,6 +43,22 @@ def allocator_env() -> dict[str, str]:
     return {"LD_PRELOAD": preload} if preload else {}
 
 
+def adapter_serve_args(model: str, adapters: int, rank: int, folder: Path) -> tuple[str, ...]:
+    """The bench's `adapters` LoRA adapters (rank `rank`, q_proj and v_proj, seeded) made for `model` in `folder`,
+    as `phasescope serve` flags: served under `workload.adapter_name`, all of them runnable in one step (a
+    variant's own --max-loras comes after, and wins)."""
+    from phasescope.bench.adapters import write_lora_adapter
+    from phasescope.bench.workload import adapter_name
+
+    config = json.loads((Path(model) / "config.json").read_text())
+    pairs = []
+    for index in range(adapters):
+        name = adapter_name(index)
+        path = write_lora_adapter(folder / name, config, rank=rank, seed=index)
+        pairs.append(f"{name}={path}")
+    return ("--lora-modules", *pairs, "--max-loras", str(adapters), "--max-lora-rank", str(rank))
+
+
 def start_phasescope(
     settings: EngineSettings,
     log: Path,

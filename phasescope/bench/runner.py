@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import datetime
 import gzip
 import importlib.metadata
@@ -30,6 +31,7 @@ from phasescope.bench.config import BenchConfig, ConfigError, from_args
 from phasescope.bench.harness import StartError, stop_on_sigterm, write_results
 from phasescope.bench.launch import (
     EngineSettings,
+    adapter_serve_args,
     default_settings,
     endpoint_tokenizer,
     open_gateway,
@@ -79,8 +81,15 @@ async def _targets(
                                           config.token_ids_only), None))  # fmt: skip
         else:
             assert settings is not None
+            adapters = config.workload.adapters
+            with_adapters = (
+                adapter_serve_args(settings.model, adapters, config.adapter_rank, config.output_dir / "adapters")
+                if adapters
+                else ()
+            )
             for variant in (config.serve, *config.variants):
-                process, target = start_phasescope(settings, config.output_dir / f"{variant.name}.log", variant,
+                served = dataclasses.replace(variant, args=(*with_adapters, *variant.args))
+                process, target = start_phasescope(settings, config.output_dir / f"{variant.name}.log", served,
                                                    api=config.api, token_ids_only=config.token_ids_only)  # fmt: skip
                 stack.callback(process.stop)
                 ours.append((target, process.process.pid))

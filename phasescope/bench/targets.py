@@ -71,6 +71,7 @@ class PhasescopeTarget:
                 ignore_eos=True,
                 temperature=0.0,
                 token_ids_only=self.token_ids_only,
+                adapter=request.adapter,
             ),
             timeout=600,
         )

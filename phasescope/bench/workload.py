@@ -130,6 +130,48 @@ class WorkloadSpec:
     """Prompts from the user's JSONL file, drawn in a seeded order, instead of generated words."""
     base_seed: int = 0
     """The run's `--seed`: the shared prefix depends on it only, so every point shares it."""
+    adapters: int = 0
+    """LoRA adapters the requests spread over (`adapter_name`), by `adapter_mix`; 0: every request on the base
+    model."""
+    adapter_mix: AdapterMix | None = None
+
+
+@dataclass(frozen=True)
+class AdapterMix:
+    """How requests pick their adapter: `uniform`, or `zipf` with exponent `s` (adapter k weighted 1/(k+1)^s:
+    a few hot adapters and a long tail, as fleets of fine-tunes see)."""
+
+    kind: str = "uniform"
+    s: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> AdapterMix:
+        """`uniform`, `zipf` or `zipf:S` (S > 0)."""
+        kind, _, exponent = text.strip().partition(":")
+        if kind == "uniform" and not exponent:
+            return cls()
+        if kind == "zipf":
+            try:
+                s = float(exponent) if exponent else 1.0
+            except ValueError:
+                raise WorkloadError(f"zipf's exponent must be a number, got {exponent!r}") from None
+            if not s > 0:
+                raise WorkloadError(f"zipf's exponent must be > 0, got {s:g}")
+            return cls("zipf", s)
+        raise WorkloadError(f"{text!r} is not uniform, zipf or zipf:S")
+
+    def describe(self) -> str:
+        return "uniform" if self.kind == "uniform" else f"zipf:{self.s:g}"
+
+    def weights(self, adapters: int) -> list[float]:
+        if self.kind == "uniform":
+            return [1.0] * adapters
+        return [1.0 / (k + 1) ** self.s for k in range(adapters)]
+
+
+def adapter_name(index: int) -> str:
+    """The name the bench serves its `index`-th adapter under (and its requests ask for)."""
+    return f"adapter-{index}"
 
 
 @dataclass(frozen=True)
@@ -137,6 +179,8 @@ class BenchRequest:
     index: int
     prompt: str
     max_tokens: int
+    adapter: str = ""
+    """The LoRA adapter it runs with ("": the base model)."""
 
 
 @dataclass
@@ -189,6 +233,10 @@ def workload(spec: WorkloadSpec, seed: int, count: int) -> list[BenchRequest]:
     prefix = shared_prefix(spec)
     order = list(range(len(spec.dataset)))
     requests = []
+    # The adapters are drawn from a generator of their own, so a run's prompts are the same with or without them.
+    adapter_rng = random.Random(f"adapters:{seed}")
+    mix = spec.adapter_mix or AdapterMix()
+    weights = mix.weights(spec.adapters) if spec.adapters else []
     for index in range(count):
         if spec.dataset:
             # Draw without replacement; a new seeded shuffle each time the file is used up.
@@ -200,5 +248,6 @@ def workload(spec: WorkloadSpec, seed: int, count: int) -> list[BenchRequest]:
         else:
             body = _words(rng, spec.prompt_tokens.sample(rng))
             max_tokens = spec.output_tokens.sample(rng)
-        requests.append(BenchRequest(index, prefix + body, max_tokens))
+        adapter = adapter_name(adapter_rng.choices(range(spec.adapters), weights)[0]) if spec.adapters else ""
+        requests.append(BenchRequest(index, prefix + body, max_tokens, adapter))
     return requests

@@ -94,6 +94,26 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
         help="phasescope's requests ask for token ids without text (GenerateRequest.token_ids_only); "
         "the other targets still detokenise",
     )
+    workload.add_argument(
+        "--adapters",
+        type=int,
+        default=0,
+        help="spread the requests over N LoRA adapters (adapter-0 … adapter-N-1), made on the spot for the model "
+        "and served by the phasescope started here (--lora-modules, --max-loras N unless --serve-args sets it); "
+        "0: the base model (default)",
+    )
+    workload.add_argument(
+        "--adapter-mix",
+        default="uniform",
+        help="with --adapters: how requests pick their adapter, uniform or zipf[:S] (adapter k weighted 1/(k+1)^S, "
+        "S default 1)",
+    )
+    workload.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=8,
+        help="with --adapters: each adapter's rank (q_proj and v_proj; default 8)",
+    )
     workload.add_argument("--seed", type=int, default=0)
 
     slo = parser.add_argument_group("objectives and the SLA search")

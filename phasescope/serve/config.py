@@ -42,11 +42,10 @@ from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, PydanticBaseSettingsSource, SettingsConfigDict
 
 from phasescope.engine.base import EngineOptions, adapter_name_problem
+from phasescope.telemetry.model.adapter import MAX_LORA_RANKS
 from phasescope.telemetry.request.adapters import DEFAULT_ADAPTER_LABELS
 
 ENV_PREFIX = "PHASESCOPE_"
-# The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks).
-MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 # Python's own threshold for its youngest generation, and what the server sets instead by default: a fixed
 # threshold still sets off collections at high concurrency, so it grows with the requests the engines run
 # (docs/benchmarks.md, "Settings that change the cost per token").

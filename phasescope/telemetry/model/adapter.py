@@ -30,6 +30,8 @@ from typing import Protocol
 from phasescope.telemetry.model.cost import model_shape
 
 CONFIG_FILE = "adapter_config.json"
+MAX_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+"""The ranks vLLM's LoRA kernels are built for (vllm.config.lora.MaxLoRARanks): --max-lora-rank takes these."""
 WEIGHTS_FILE = "adapter_model.safetensors"
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "F8_E4M3": 1, "F8_E5M2": 1, "I8": 1, "U8": 1}
 # PEFT's tensor names: "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight".

@@ -113,3 +113,20 @@ def test_servers_and_baselines_that_cannot_be_are_one_line(
 ) -> None:
     with pytest.raises(ConfigError, match=message):
         config(tmp_path, *flags)
+
+
+def test_an_adapter_mix_is_checked_and_needs_a_phasescope_started_here(tmp_path: Path) -> None:
+    mixed = config(tmp_path, "--tiny-model", "--adapters", "4", "--adapter-mix", "zipf:1.2", "--adapter-rank", "16")
+    assert (mixed.workload.adapters, mixed.adapter_rank) == (4, 16)
+    parameters = mixed.parameters()
+    assert (parameters["adapters"], parameters["adapter_mix"], parameters["adapter_rank"]) == (4, "zipf:1.2", 16)
+    assert config(tmp_path).parameters()["adapter_mix"] is None
+    for flags, message in (
+        (("--adapters", "2", "--address", "127.0.0.1:1"), "drop --address"),
+        (("--adapters", "2", "--compare"), "drop --compare"),
+        (("--adapters", "2", "--adapter-rank", "7"), "--adapter-rank must be one of 1, 8, 16"),
+        (("--adapters", "2", "--adapter-mix", "pareto"), "--adapter-mix: 'pareto' is not uniform"),
+        (("--adapters", "-1",), "--adapters must be 0 or more"),
+    ):  # fmt: skip
+        with pytest.raises(ConfigError, match=message):
+            config(tmp_path, *flags)

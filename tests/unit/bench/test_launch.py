@@ -48,3 +48,21 @@ def test_a_variant_runs_in_its_environment_with_its_flags_last_and_is_measured_u
     assert launch.phasescope_engine_target(target.address, None, 42, "/models/m", server="before").name == (
         "before-vllm-grpc"
     )
+
+
+def test_the_bench_makes_its_adapters_for_the_model_and_serves_them_all_in_one_step(tmp_path: Path) -> None:
+    import json as json_module
+
+    from phasescope.bench.launch import adapter_serve_args
+    from phasescope.telemetry.model.adapter import read_adapter
+
+    config = {"num_hidden_layers": 2, "hidden_size": 128, "num_attention_heads": 2, "num_key_value_heads": 1,
+              "head_dim": 64, "intermediate_size": 256, "vocab_size": 1000}  # fmt: skip
+    (tmp_path / "config.json").write_text(json_module.dumps(config))
+    args = adapter_serve_args(str(tmp_path), 3, 8, tmp_path / "adapters")
+    assert args[0] == "--lora-modules"
+    pairs = args[1:4]
+    assert [pair.split("=")[0] for pair in pairs] == ["adapter-0", "adapter-1", "adapter-2"]
+    assert args[4:] == ("--max-loras", "3", "--max-lora-rank", "8")
+    for pair in pairs:
+        assert read_adapter(Path(pair.split("=", 1)[1]), config, max_rank=8).rank == 8

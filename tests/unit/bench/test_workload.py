@@ -1,5 +1,6 @@
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -143,3 +144,29 @@ def test_normal_lengths_are_clipped_to_at_least_one() -> None:
     samples = [distribution.sample(rng) for _ in range(500)]
     assert min(samples) == 1
     assert max(samples) <= 42
+
+
+def test_an_adapter_mix_spreads_requests_over_the_adapters_without_changing_the_prompts() -> None:
+    from collections import Counter
+
+    from phasescope.bench.workload import AdapterMix
+
+    plain = workload(SPEC, 7, 2000)
+    uniform = workload(replace(SPEC, adapters=4, adapter_mix=AdapterMix.parse("uniform")), 7, 2000)
+    zipf = workload(replace(SPEC, adapters=4, adapter_mix=AdapterMix.parse("zipf:1.5")), 7, 2000)
+    assert [r.prompt for r in uniform] == [r.prompt for r in plain] == [r.prompt for r in zipf]
+    assert {r.adapter for r in plain} == {""}
+    counts = Counter(r.adapter for r in uniform)
+    assert set(counts) == {"adapter-0", "adapter-1", "adapter-2", "adapter-3"}
+    assert all(400 < count < 600 for count in counts.values())
+    # Zipf, s = 1.5: adapter-0 takes 1 / (1 + 2^-1.5 + 3^-1.5 + 4^-1.5) ≈ 62 % of the requests.
+    hot = Counter(r.adapter for r in zipf)
+    assert 0.57 < hot["adapter-0"] / 2000 < 0.67
+    assert hot["adapter-0"] > hot["adapter-1"] > hot["adapter-2"] > hot["adapter-3"]
+    # The same seed, the same draw.
+    assert [r.adapter for r in workload(replace(SPEC, adapters=4, adapter_mix=AdapterMix("zipf", 1.5)), 7, 50)] == [
+        r.adapter for r in zipf[:50]
+    ]
+    for bad in ("zipf:0", "zipf:x", "pareto"):
+        with pytest.raises(WorkloadError):
+            AdapterMix.parse(bad)
