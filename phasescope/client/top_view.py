@@ -261,6 +261,9 @@ def _engine_lines(engine: pb.EngineSnapshot, cost: bool) -> list[Text]:
                 ),
             )
         )
+    if engine.waiting_for_adapters:
+        # The adapter-slot wall: requests whose adapter has no slot in the batch (--max-loras).
+        lines.append(Text(f"  adapters waiting for an adapter slot {engine.waiting_for_adapters}", style="bold red"))
     if engine.speculative_mean_acceptance_length:
         # Speculative decoding: how much of what the drafter proposes the verify steps keep.
         lines.append(
@@ -341,6 +344,19 @@ def _latency_line(latency: pb.LatencySnapshot) -> Text:
     return Text.assemble(("latency ", "bold"), f"TTFT {ttft} · ITL {itl}\n        mean {means}")
 
 
+def _adapter_section(snapshot: pb.TelemetrySnapshot) -> list[RenderableType]:
+    """The requests in flight by LoRA adapter (only when some run with one)."""
+    if not snapshot.adapters:
+        return []
+    table = _table()
+    table.add_column("adapter", no_wrap=True, overflow="ellipsis", max_width=36)
+    for name in ("in flight", "decoding", "tok/s"):
+        table.add_column(name, justify="right", no_wrap=True)
+    for row in snapshot.adapters:
+        table.add_row(row.adapter, str(row.in_flight), str(row.decoding), f"{row.tokens_per_second:.1f}")
+    return [Text("adapters", style="bold"), table, Text()]
+
+
 def _request_section(snapshot: pb.TelemetrySnapshot, options: ViewOptions, detail: Detail) -> list[RenderableType]:
     ordered = sort_requests(snapshot.requests, options.sort_key, newest_first=options.newest_first)
     shown = ordered if detail.request_rows is None else ordered[: detail.request_rows]
@@ -385,6 +401,7 @@ def build_frame(
         parts += _engine_lines(engine, detail.cost)
         parts.append(_phase_table(engine, history, detail))
     parts += [_latency_line(snapshot.latency), Text()]
+    parts += _adapter_section(snapshot)
     parts += _request_section(snapshot, options, detail)
     if options.show_keys:
         parts.append(Text(f"p pause · s sort ({options.sort_key.value}) · q quit", style="dim"))

@@ -15,6 +15,7 @@ from typing import Protocol
 from phasescope.errors import InvalidRequestError
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
 from phasescope.telemetry.live import LatencyFigures
+from phasescope.telemetry.request.adapters import BASE_ADAPTER
 from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps
 from phasescope.telemetry.request.stages import DECODE, FRONTEND, PREFILL
 from phasescope.telemetry.step.aggregator import EngineView
@@ -56,6 +57,8 @@ class InFlight(Protocol):
     request_id: str
     prompt_tokens: int
     front: FrontendTimestamps
+    adapter: str
+    """Its adapter label (phasescope.telemetry.request.adapters)."""
 
     @property
     def cached_prompt_tokens(self) -> int: ...
@@ -105,6 +108,7 @@ def request_snapshot(trace: InFlight, now: float) -> pb.RequestSnapshot:
         tokens_per_second=rate,
         decode_stalled_by_prefill_seconds=trace.interference.stalled_seconds,
         decode_prefill_interference_seconds=trace.interference.extra_seconds,
+        adapter=trace.adapter,
     )
 
 
@@ -126,8 +130,9 @@ def _engine_snapshot(view: EngineView) -> pb.EngineSnapshot:
         kv_cache_capacity_tokens=view.kv_cache_capacity_tokens,
         kv_cache_tokens=view.kv_cache_tokens,
         kv_cache_sequences_fit=view.sequences_fit or 0.0,
-        waiting_for_kv_cache=view.waiting if view.waiting_reason == "kv_cache" else 0,
-        waiting_for_slot=view.waiting if view.waiting_reason == "slot" else 0,
+        waiting_for_kv_cache=view.waiting - view.waiting_for_adapters if view.waiting_reason == "kv_cache" else 0,
+        waiting_for_slot=view.waiting - view.waiting_for_adapters if view.waiting_reason == "slot" else 0,
+        waiting_for_adapters=view.waiting_for_adapters,
         kv_cache_wait_ratio=(view.wait_shares or {}).get("kv_cache", 0.0),
         preemptions_in_window=view.preemptions,
     )
@@ -217,4 +222,20 @@ def build_snapshot(
             in_flight, key=lambda trace: trace.front.entry, reverse=options.newest_first
         )
         snapshot.requests.extend(request_snapshot(trace, now) for trace in list(ordered)[: options.max_requests])
+    snapshot.adapters.extend(adapter_snapshots(in_flight, now))
     return snapshot
+
+
+def adapter_snapshots(in_flight: Sequence[InFlight], now: float) -> list[pb.AdapterSnapshot]:
+    """The requests in flight by adapter label, when any runs with an adapter (base first, then by name)."""
+    if all(trace.adapter == BASE_ADAPTER for trace in in_flight):
+        return []
+    rows: dict[str, pb.AdapterSnapshot] = {}
+    for trace in in_flight:
+        row = rows.setdefault(trace.adapter, pb.AdapterSnapshot(adapter=trace.adapter))
+        snapshot = request_snapshot(trace, now)
+        row.in_flight += 1
+        if snapshot.phase == DECODE.name:
+            row.decoding += 1
+            row.tokens_per_second += snapshot.tokens_per_second
+    return [rows[name] for name in sorted(rows, key=lambda name: (name != BASE_ADAPTER, name))]

@@ -1232,6 +1232,7 @@ class TelemetrySnapshot(_message.Message):
     REQUESTS_IN_FLIGHT_FIELD_NUMBER: _builtins.int
     REQUESTS_FIELD_NUMBER: _builtins.int
     DEVICE_FIELD_NUMBER: _builtins.int
+    ADAPTERS_FIELD_NUMBER: _builtins.int
     time_unix_seconds: _builtins.float
     """Wall-clock time of the snapshot, Unix seconds."""
     window_seconds: _builtins.float
@@ -1255,6 +1256,12 @@ class TelemetrySnapshot(_message.Message):
     def latency(self) -> Global___LatencySnapshot: ...
     @_builtins.property
     def requests(self) -> _containers.RepeatedCompositeFieldContainer[Global___RequestSnapshot]: ...
+    @_builtins.property
+    def adapters(self) -> _containers.RepeatedCompositeFieldContainer[Global___AdapterSnapshot]:
+        """The requests in flight by their adapter label (base, each adapter's name,
+        other), when any runs with a LoRA adapter; empty otherwise.
+        """
+
     def __init__(
         self,
         *,
@@ -1269,14 +1276,46 @@ class TelemetrySnapshot(_message.Message):
         requests_in_flight: _builtins.int = ...,
         requests: _abc.Iterable[Global___RequestSnapshot] | None = ...,
         device: _builtins.str = ...,
+        adapters: _abc.Iterable[Global___AdapterSnapshot] | None = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission", "latency", b"latency", "peaks", b"peaks"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["admission", b"admission", "device", b"device", "engines", b"engines", "latency", b"latency", "model_name", b"model_name", "peaks", b"peaks", "requests", b"requests", "requests_in_flight", b"requests_in_flight", "time_unix_seconds", b"time_unix_seconds", "uptime_seconds", b"uptime_seconds", "window_seconds", b"window_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapters", b"adapters", "admission", b"admission", "device", b"device", "engines", b"engines", "latency", b"latency", "model_name", b"model_name", "peaks", b"peaks", "requests", b"requests", "requests_in_flight", b"requests_in_flight", "time_unix_seconds", b"time_unix_seconds", "uptime_seconds", b"uptime_seconds", "window_seconds", b"window_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
 Global___TelemetrySnapshot: _TypeAlias = TelemetrySnapshot  # noqa: Y015
+
+@_typing.final
+class AdapterSnapshot(_message.Message):
+    DESCRIPTOR: _descriptor.Descriptor
+
+    ADAPTER_FIELD_NUMBER: _builtins.int
+    IN_FLIGHT_FIELD_NUMBER: _builtins.int
+    DECODING_FIELD_NUMBER: _builtins.int
+    TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
+    adapter: _builtins.str
+    """The request series' adapter label: base, an adapter's name, or other."""
+    in_flight: _builtins.int
+    decoding: _builtins.int
+    """Of those, the ones decoding (past their first token)."""
+    tokens_per_second: _builtins.float
+    """Σ of their decode rates (output tokens per second since each one's first token)."""
+    def __init__(
+        self,
+        *,
+        adapter: _builtins.str = ...,
+        in_flight: _builtins.int = ...,
+        decoding: _builtins.int = ...,
+        tokens_per_second: _builtins.float = ...,
+    ) -> None: ...
+    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "decoding", b"decoding", "in_flight", b"in_flight", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
+    def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
+    def WhichOneof(self, oneof_group: _Never) -> None: ...
+
+Global___AdapterSnapshot: _TypeAlias = AdapterSnapshot  # noqa: Y015
 
 @_typing.final
 class Peaks(_message.Message):
@@ -1346,6 +1385,7 @@ class EngineSnapshot(_message.Message):
     SPECULATIVE_MEAN_ACCEPTANCE_LENGTH_FIELD_NUMBER: _builtins.int
     SPECULATIVE_GAIN_FIELD_NUMBER: _builtins.int
     SPECULATIVE_READING_FIELD_NUMBER: _builtins.int
+    WAITING_FOR_ADAPTERS_FIELD_NUMBER: _builtins.int
     engine: _builtins.int
     """The data-parallel engine core's index."""
     memory_bandwidth_utilization: _builtins.float
@@ -1404,6 +1444,11 @@ class EngineSnapshot(_message.Message):
     k, or the drafter too dear); empty without drafts verified in the window.
     """
     speculative_reading: _builtins.str
+    waiting_for_adapters: _builtins.int
+    """Waiting requests that wait for a LoRA adapter slot (--max-loras distinct
+    adapters run in the batch already); not counted in waiting_for_kv_cache or
+    waiting_for_slot.
+    """
     @_builtins.property
     def phases(self) -> _containers.RepeatedCompositeFieldContainer[Global___PhaseSnapshot]:
         """"prefill" and "decode", in that order."""
@@ -1436,10 +1481,11 @@ class EngineSnapshot(_message.Message):
         speculative_mean_acceptance_length: _builtins.float = ...,
         speculative_gain: _builtins.float = ...,
         speculative_reading: _builtins.str = ...,
+        waiting_for_adapters: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_capacity_tokens", b"kv_cache_capacity_tokens", "kv_cache_sequences_fit", b"kv_cache_sequences_fit", "kv_cache_tokens", b"kv_cache_tokens", "kv_cache_usage", b"kv_cache_usage", "kv_cache_wait_ratio", b"kv_cache_wait_ratio", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "preemptions_in_window", b"preemptions_in_window", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "speculative_acceptance_rate", b"speculative_acceptance_rate", "speculative_gain", b"speculative_gain", "speculative_mean_acceptance_length", b"speculative_mean_acceptance_length", "speculative_reading", b"speculative_reading", "waiting", b"waiting", "waiting_for_kv_cache", b"waiting_for_kv_cache", "waiting_for_slot", b"waiting_for_slot"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["busy_ratio", b"busy_ratio", "compute_idle", b"compute_idle", "compute_utilization", b"compute_utilization", "engine", b"engine", "has_cost", b"has_cost", "headroom", b"headroom", "headroom_limit", b"headroom_limit", "idle_cost_per_hour", b"idle_cost_per_hour", "kv_cache_capacity_tokens", b"kv_cache_capacity_tokens", "kv_cache_sequences_fit", b"kv_cache_sequences_fit", "kv_cache_tokens", b"kv_cache_tokens", "kv_cache_usage", b"kv_cache_usage", "kv_cache_wait_ratio", b"kv_cache_wait_ratio", "memory_bandwidth_utilization", b"memory_bandwidth_utilization", "phases", b"phases", "preemptions_in_window", b"preemptions_in_window", "queue_wait_ratio", b"queue_wait_ratio", "running", b"running", "speculative_acceptance_rate", b"speculative_acceptance_rate", "speculative_gain", b"speculative_gain", "speculative_mean_acceptance_length", b"speculative_mean_acceptance_length", "speculative_reading", b"speculative_reading", "waiting", b"waiting", "waiting_for_adapters", b"waiting_for_adapters", "waiting_for_kv_cache", b"waiting_for_kv_cache", "waiting_for_slot", b"waiting_for_slot"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
@@ -1593,6 +1639,7 @@ class RequestSnapshot(_message.Message):
     TOKENS_PER_SECOND_FIELD_NUMBER: _builtins.int
     DECODE_STALLED_BY_PREFILL_SECONDS_FIELD_NUMBER: _builtins.int
     DECODE_PREFILL_INTERFERENCE_SECONDS_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     request_id: _builtins.str
     """The client's request id (the engine's when it sent none)."""
     phase: _builtins.str
@@ -1611,7 +1658,10 @@ class RequestSnapshot(_message.Message):
     the estimated extra those chunks cost it.
     """
     decode_prefill_interference_seconds: _builtins.float
-    """Never text: a snapshot carries no prompt or output."""
+    adapter: _builtins.str
+    """Its adapter label (base: the base model).
+    Never text: a snapshot carries no prompt or output.
+    """
     def __init__(
         self,
         *,
@@ -1623,10 +1673,11 @@ class RequestSnapshot(_message.Message):
         tokens_per_second: _builtins.float = ...,
         decode_stalled_by_prefill_seconds: _builtins.float = ...,
         decode_prefill_interference_seconds: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["age_seconds", b"age_seconds", "completion_tokens", b"completion_tokens", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "phase", b"phase", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "age_seconds", b"age_seconds", "completion_tokens", b"completion_tokens", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "phase", b"phase", "prompt_tokens", b"prompt_tokens", "request_id", b"request_id", "tokens_per_second", b"tokens_per_second"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

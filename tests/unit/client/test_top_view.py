@@ -148,6 +148,20 @@ def test_the_memory_line_shows_the_kv_cache_and_who_waits_for_it() -> None:
     assert line_with(text, "decode  ").split()[5] == "capacity"
 
 
+def test_with_adapters_the_view_has_an_adapter_table_and_the_engine_says_who_waits_for_a_slot() -> None:
+    snap = snapshot()
+    assert "adapters" not in frame(snap)  # nothing runs with an adapter: no table
+    snap.adapters.extend([
+        pb.AdapterSnapshot(adapter="base", in_flight=1, decoding=1, tokens_per_second=11.2),
+        pb.AdapterSnapshot(adapter="sql", in_flight=3, decoding=2, tokens_per_second=20.5),
+    ])  # fmt: skip
+    snap.engines[0].waiting_for_adapters = 2
+    text = frame(snap)
+    assert line_with(text, "sql").split() == ["sql", "3", "2", "20.5"]
+    assert line_with(text, "base ").split() == ["base", "1", "1", "11.2"]
+    assert "waiting for an adapter slot 2" in line_with(text, "adapters waiting")
+
+
 def test_a_speculating_engine_has_a_line_with_its_acceptance_and_tokens_per_verify_step() -> None:
     snap = snapshot()
     assert "speculation" not in frame(snap)  # no drafts verified in the window: no line

@@ -5,6 +5,7 @@ operator allowed it."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -130,3 +131,27 @@ async def test_each_adapters_requests_and_tokens_are_its_own_series_and_the_labe
         assert s.value("phasescope_requests_rejected_total", adapter="other", reason="not_found") == 1
         assert s.value("phasescope_time_to_first_token_seconds_count", adapter="sql") == 2
         assert s.value("phasescope_requests_in_flight", adapter="sql") == 0
+
+
+def test_the_live_snapshot_counts_the_requests_in_flight_by_adapter() -> None:
+    from types import SimpleNamespace
+
+    from phasescope.serve.watch import adapter_snapshots
+    from phasescope.telemetry.request.phases import EngineTimestamps, FrontendTimestamps
+    from phasescope.telemetry.step.interference import NO_INTERFERENCE
+
+    def request(adapter: str, decoding: bool) -> Any:
+        # Handed to the engine at 1; decoding ones had their first token at 2 and their 11th at 4: 5 tok/s.
+        stamps = EngineTimestamps(1.0, 1.5, 2.0, 4.0) if decoding else None
+        return SimpleNamespace(
+            request_id="r", prompt_tokens=4, front=FrontendTimestamps(0.5, 0.0, handed_to_engine=1.0),
+            completion_tokens=11 if decoding else 0, stamps=stamps, interference=NO_INTERFERENCE, adapter=adapter,
+        )  # fmt: skip
+
+    assert adapter_snapshots([request("base", True)], now=5.0) == []  # no adapter in flight: no rows
+    rows = adapter_snapshots(
+        [request("sql", True), request("base", False), request("sql", True), request("sql", False)], now=5.0
+    )
+    assert [(r.adapter, r.in_flight, r.decoding, r.tokens_per_second) for r in rows] == [
+        ("base", 1, 0, 0.0), ("sql", 3, 2, 10.0),
+    ]  # fmt: skip
