@@ -60,7 +60,7 @@ def lora_server(start_server: Callable[..., ServerProcess], adapters: dict[str, 
     return start_server(
         "--model", str(ensure_tiny_model()), "--lora-modules", f"zero={adapters['zero']}",
         f"noise={adapters['noise']}", "--max-loras", "1", "--max-cpu-loras", "4", "--max-lora-rank", str(RANK),
-        "--allow-adapter-updates",
+        "--allow-adapter-updates", "--accelerator-cost-per-hour", "3.6",
     )  # fmt: skip
 
 
@@ -242,3 +242,8 @@ def test_a_step_that_runs_an_adapter_reads_its_matrices_once_and_pays_its_flops_
     assert steps_after - steps_before == answer.usage.completion_tokens == 12
     assert bytes_after - bytes_before == pytest.approx(12 * noise.bytes)
     assert flops_after - flops_before == pytest.approx((len(PROMPT) + 12 - 1) * noise.flops_per_token)
+    # Alone in its steps, the request's adapter is charged their whole time, at 3.6 an hour (0.001 a second).
+    samples = lora_server.samples()
+    busy = sum_samples(samples, "phasescope_adapter_busy_seconds_total", adapter="noise")
+    assert busy > 0
+    assert sum_samples(samples, "phasescope_adapter_cost_total", adapter="noise") == pytest.approx(busy * 0.001)

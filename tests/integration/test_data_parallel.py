@@ -71,22 +71,24 @@ def test_dead_engine_core_fails_streams_unavailable_and_the_server_exits(dp_serv
     cores = engine_cores(dp_server)
     assert len(cores) == 2
     errors: list[grpc.RpcError] = []
-    started = threading.Barrier(3)
+    streaming = [threading.Event(), threading.Event()]
 
-    def stream() -> None:
+    def stream(index: int) -> None:
+        # Read on without waiting for the other stream: one held back at a barrier could see its request end in the
+        # engine (2,000 tokens) while the other waited for its first token on a busy core.
         with dp_server.client() as client:
-            call = client.generate_stream(build_request(prompt="Keep talking.", max_tokens=1500, ignore_eos=True))
+            call = client.generate_stream(build_request(prompt="Keep talking.", max_tokens=2000, ignore_eos=True))
             try:
-                for index, _ in enumerate(call):
-                    if index == 1:
-                        started.wait(60)
+                for _ in call:
+                    streaming[index].set()
             except grpc.RpcError as exc:
                 errors.append(exc)
 
-    threads = [threading.Thread(target=stream) for _ in range(2)]
+    threads = [threading.Thread(target=stream, args=(index,)) for index in range(2)]
     for thread in threads:
         thread.start()
-    started.wait(60)
+    for event in streaming:
+        assert event.wait(120), "a stream never got its first token"
     cores[0].kill()
     for thread in threads:
         thread.join(120)

@@ -31,6 +31,8 @@ SPECULATION_ONLY = re.compile(r"phasescope_speculative_")
 # Series only a worker of a disaggregated pool has: the pool's `role` label, which the PD scrape
 # configs add (deploy/prometheus/prometheus.pd.yml, the pd overlay's ServiceMonitor), and the
 # transfers of a KV connector (--kv-transfer-config). This server is neither.
+# Series only a server running LoRA adapters has (tests/integration/test_adapters.py serves one).
+LORA_ONLY = re.compile(r"phasescope_adapter_")
 DISAGGREGATION_ONLY = re.compile(r'\brole!?="|phasescope_kv_transfer_|phase="kv_transfer"|prompt_tokens_by_source')
 # What the Prometheus Operator's service discovery adds to every series of a pod; the
 # autoscalers' queries select on them.
@@ -102,7 +104,7 @@ def test_every_dashboard_query_evaluates_and_returns_data(prometheus: Prometheus
         if answer["status"] != "success":
             failed.append(f"{name}: {answer.get('error')}")
         elif not answer["data"]["result"] and not any(
-            only.search(expr) for only in (GPU_ONLY, SPECULATION_ONLY, DISAGGREGATION_ONLY)
+            only.search(expr) for only in (GPU_ONLY, SPECULATION_ONLY, DISAGGREGATION_ONLY, LORA_ONLY)
         ):
             empty.append(name)
     assert not failed

@@ -179,6 +179,18 @@ class StepMetrics(StepSink, Collector):
             "Engine steps that ran at least one sequence of each LoRA adapter.",
             ["model", "adapter"],
         )
+        self.adapter_busy_seconds = SumCounter(
+            "phasescope_adapter_busy_seconds",
+            "Each LoRA adapter's share of the engine's step time: every step that ran it shared between its "
+            "sequences by their tokens (the adapter's matrices and kernels included in the step's time).",
+            ["model", "adapter"],
+        )
+        self.adapter_cost = SumCounter(
+            "phasescope_adapter_cost",
+            "What each LoRA adapter's share of the step time cost at --accelerator-cost-per-hour (absent without a "
+            "price): rate() of it ÷ rate() of its tokens is its cost per token.",
+            ["model", "adapter"],
+        )
         self._series: tuple[Collector, ...] = (
             self.flops,
             self.bytes_read,
@@ -200,11 +212,16 @@ class StepMetrics(StepSink, Collector):
             self.adapter_flops,
             self.adapter_read_bytes,
             self.adapter_steps,
+            self.adapter_busy_seconds,
+            self.adapter_cost,
         )
 
     def _count_adapters(self, step: StepRecord) -> None:
-        """Each adapter's part of the step, as the attribution charged it (`attribution.adapter_work`)."""
+        """Each adapter's part of the step, as the attribution charged it (`attribution.adapter_work`), and its share
+        of the step's time (and price) by its sequences' tokens."""
         adapters, devices = self._steps.adapters, self._steps.cost.devices
+        step_tokens = step.prefill_tokens + step.decode_tokens
+        price_per_second = self._steps.cost_per_hour / 3600.0 if self._steps.cost_per_hour is not None else None
         for tokens in step.adapters:
             adapter = adapters.get(tokens.adapter)
             if adapter is None:
@@ -216,6 +233,12 @@ class StepMetrics(StepSink, Collector):
             )
             self.adapter_read_bytes.inc(shape.bytes / devices, self._model, label)
             self.adapter_steps.inc(1, self._model, label)
+            if not step_tokens:
+                continue
+            busy = step.elapsed_seconds * (tokens.prefill_tokens + tokens.decode_tokens) / step_tokens
+            self.adapter_busy_seconds.inc(busy, self._model, label)
+            if price_per_second is not None:
+                self.adapter_cost.inc(busy * price_per_second, self._model, label)
 
     def queue(self, state: SchedulerState) -> None:
         if self._last_queue.get(state.engine) == state:

@@ -63,7 +63,8 @@ def test_in_a_mixed_step_an_adapters_bytes_are_shared_by_its_tokens_and_each_pha
 
 def test_the_adapter_series_count_each_adapters_flops_bytes_and_steps() -> None:
     registry = CollectorRegistry()
-    aggregator = StepAggregator(COST, "float32", PEAKS, adapters=ADAPTERS)
+    # Priced at 36 an hour: 0.01 a second.
+    aggregator = StepAggregator(COST, "float32", PEAKS, adapters=ADAPTERS, cost_per_hour=36.0)
     metrics = StepMetrics("m", aggregator, adapter_label=lambda name: name if name == "sql" else "other")
     aggregator.add_sink(metrics)
     registry.register(metrics)
@@ -78,3 +79,6 @@ def test_the_adapter_series_count_each_adapters_flops_bytes_and_steps() -> None:
     assert value("phasescope_adapter_read_bytes_total", "other") == pytest.approx(6e6)
     assert value("phasescope_adapter_flops_total", "sql") == pytest.approx(3 * 10e3)
     assert value("phasescope_adapter_steps_total", "other") == 3
+    # Each 10 ms step shared by its two sequences' tokens: 5 ms each, three times, at 0.01 a second.
+    assert value("phasescope_adapter_busy_seconds_total", "sql") == pytest.approx(0.015)
+    assert value("phasescope_adapter_cost_total", "sql") == pytest.approx(0.015 * 0.01)
