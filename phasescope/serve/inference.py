@@ -69,7 +69,7 @@ def _chunk(output: Output) -> pb.GenerateStreamResponse:
     if output.sample_end is not None:
         # A sample's last chunk: its finish and its stages (with n = 1, the stream's last chunk).
         chunk.finish_reason = _FINISH_REASONS.get(output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED)
-        chunk.timings.CopyFrom(timings_message(output.sample_end.timings))
+        chunk.timings.CopyFrom(timings_message(output.sample_end.timings, output.adapter))
     if output.request_end is not None:
         chunk.usage.CopyFrom(_usage(output.request_end))
     return chunk
@@ -135,7 +135,7 @@ class InferenceServicer:
                         sample.finish_reason = _FINISH_REASONS.get(
                             output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED
                         )
-                        sample.timings.CopyFrom(timings_message(output.sample_end.timings))
+                        sample.timings.CopyFrom(timings_message(output.sample_end.timings, output.adapter))
                 else:
                     response.token_ids.extend(step.token_ids)
                     response.logprobs.extend(_token_logprobs(step.logprobs))
@@ -144,7 +144,7 @@ class InferenceServicer:
                         response.finish_reason = _FINISH_REASONS.get(
                             output.sample_end.finish_reason or "", pb.FINISH_REASON_UNSPECIFIED
                         )
-                        response.timings.CopyFrom(timings_message(output.sample_end.timings))
+                        response.timings.CopyFrom(timings_message(output.sample_end.timings, output.adapter))
                 if output.request_end is not None:
                     response.request_id = output.request_id
                     response.usage.CopyFrom(_usage(output.request_end))

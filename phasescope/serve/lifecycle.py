@@ -139,6 +139,11 @@ class RequestLifecycle:
         self._handover = 0.0
 
     @property
+    def adapter_name(self) -> str:
+        """The LoRA adapter it runs with, as asked ("": the base model); `adapter` is its series label."""
+        return self._parameters.adapter
+
+    @property
     def completion_tokens(self) -> int:
         """Tokens generated so far, every sample's."""
         return sum(sample.completion_tokens for sample in self.samples)

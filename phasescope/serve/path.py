@@ -121,6 +121,8 @@ class Output:
     step: EngineStep
     sample_end: SampleEnd | None = None
     request_end: RequestEnd | None = None
+    adapter: str = ""
+    """The LoRA adapter the request runs with ("": the base model), which its Timings name."""
 
 
 def new_engine_request_id() -> str:
@@ -367,7 +369,9 @@ def _output(lifecycle: RequestLifecycle, request_id: str, first_prompt_token: in
             # The first sample's stages (its final ones, when this step ended it).
             timings=sample_end.timings if step.index == 0 and sample_end is not None else lifecycle.final_timings(),
         )
-    return Output(request_id, lifecycle.prompt_tokens, first_prompt_token, step, sample_end, request_end)
+    return Output(
+        request_id, lifecycle.prompt_tokens, first_prompt_token, step, sample_end, request_end, lifecycle.adapter_name
+    )
 
 
 def _prompt_text(parsed: ParsedInput) -> str:

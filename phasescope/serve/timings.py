@@ -11,8 +11,10 @@ TIMINGS_METADATA_KEY = "phasescope-timings-bin"
 """The trailing-metadata key of an engine-protocol stream's timings (a serialised `phasescope.v1.Timings`)."""
 
 
-def timings_message(timings: PhaseTimings) -> pb.Timings:
+def timings_message(timings: PhaseTimings, adapter: str = "") -> pb.Timings:
+    """The contract's Timings of a sample's stages; `adapter`: the LoRA adapter it ran with ("": the base model)."""
     return pb.Timings(
+        adapter=adapter,
         time_to_first_token_seconds=timings.time_to_first_token_seconds or 0.0,
         e2e_seconds=timings.e2e_seconds or 0.0,
         mean_inter_token_seconds=timings.mean_inter_token_seconds or 0.0,

@@ -590,6 +590,7 @@ class Timings(_message.Message):
     KV_LOADED_TOKENS_FIELD_NUMBER: _builtins.int
     KV_SAVED_TOKENS_FIELD_NUMBER: _builtins.int
     KV_TRANSFER_BYTES_FIELD_NUMBER: _builtins.int
+    ADAPTER_FIELD_NUMBER: _builtins.int
     queue_seconds: _builtins.float
     """Every interval is on one monotonic clock: the engine core's stamps compared
     with the front end's own readings for this request (docs/metrics.md).
@@ -643,6 +644,10 @@ class Timings(_message.Message):
     kv_loaded_tokens: _builtins.int
     kv_saved_tokens: _builtins.int
     kv_transfer_bytes: _builtins.float
+    adapter: _builtins.str
+    """The LoRA adapter the request ran with (GenerateRequest.adapter, or the
+    engine protocol's phasescope-adapter key); empty: the base model.
+    """
     def __init__(
         self,
         *,
@@ -664,10 +669,11 @@ class Timings(_message.Message):
         kv_loaded_tokens: _builtins.int = ...,
         kv_saved_tokens: _builtins.int = ...,
         kv_transfer_bytes: _builtins.float = ...,
+        adapter: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "kv_loaded_tokens", b"kv_loaded_tokens", "kv_saved_tokens", b"kv_saved_tokens", "kv_transfer_bytes", b"kv_transfer_bytes", "kv_transfer_seconds", b"kv_transfer_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_drafted_tokens", b"speculative_drafted_tokens", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["adapter", b"adapter", "client_time_to_first_token_seconds", b"client_time_to_first_token_seconds", "decode_prefill_interference_seconds", b"decode_prefill_interference_seconds", "decode_seconds", b"decode_seconds", "decode_stalled_by_prefill_seconds", b"decode_stalled_by_prefill_seconds", "decode_tokens_per_second", b"decode_tokens_per_second", "e2e_seconds", b"e2e_seconds", "frontend_seconds", b"frontend_seconds", "intake_seconds", b"intake_seconds", "kv_loaded_tokens", b"kv_loaded_tokens", "kv_saved_tokens", b"kv_saved_tokens", "kv_transfer_bytes", b"kv_transfer_bytes", "kv_transfer_seconds", b"kv_transfer_seconds", "mean_inter_token_seconds", b"mean_inter_token_seconds", "prefill_seconds", b"prefill_seconds", "queue_seconds", b"queue_seconds", "speculative_accepted_tokens", b"speculative_accepted_tokens", "speculative_drafted_tokens", b"speculative_drafted_tokens", "time_to_first_token_seconds", b"time_to_first_token_seconds"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 

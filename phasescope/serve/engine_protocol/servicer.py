@@ -85,7 +85,7 @@ class VllmEngineServicer:
                         # The sample's complete carries its last step's delta (as vLLM's servicer sends it); the
                         # request's timings go in the trailing metadata before its last complete.
                         if output.request_end is not None:
-                            _set_timings(context, output.request_end)
+                            _set_timings(context, output.request_end, output.adapter)
                         yield _complete(output, list(output.step.token_ids), output.step.logprobs)
                 return
             # Unary: each sample's ids and log probabilities, then one complete per sample, in order.
@@ -93,7 +93,7 @@ class VllmEngineServicer:
             async for output in outputs:
                 samples.setdefault(output.step.index, _Sample()).add(output)
                 if output.request_end is not None:
-                    _set_timings(context, output.request_end)
+                    _set_timings(context, output.request_end, output.adapter)
                     for index in sorted(samples):
                         yield samples[index].complete(output, first=index == 0)
 
@@ -252,8 +252,8 @@ class _Sample:
         return response
 
 
-def _set_timings(context: ServicerContext, end: RequestEnd) -> None:
-    timings = timings_message(end.timings)
+def _set_timings(context: ServicerContext, end: RequestEnd, adapter: str) -> None:
+    timings = timings_message(end.timings, adapter)
     context.set_trailing_metadata(((TIMINGS_METADATA_KEY, timings.SerializeToString()),))
 
 

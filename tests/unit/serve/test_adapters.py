@@ -13,6 +13,8 @@ from smg_grpc_proto.generated import vllm_engine_pb2 as vllm_pb
 
 from phasescope.bench.adapters import write_lora_adapter
 from phasescope.client.client import build_request
+from phasescope.serve.timings import TIMINGS_METADATA_KEY
+from phasescope.v1 import inference_pb2 as pb
 from support.fake_engine import CONFIG, ScriptedEngine
 from support.served import eventually, served
 
@@ -31,11 +33,15 @@ async def test_a_request_runs_with_the_adapter_it_names_on_either_protocol(tmp_p
         folder = write_lora_adapter(tmp_path / "sql", CONFIG, rank=8)
         info = await s.client.load_adapter("sql", str(folder))
         assert (info.name, info.rank, list(info.target_modules)) == ("sql", 8, ["q_proj", "v_proj"])
-        await s.client.generate(build_request(prompt="a b", max_tokens=2, adapter="sql"))
-        await s.client.generate(build_request(prompt="a b", max_tokens=2))
+        with_adapter = await s.client.generate(build_request(prompt="a b", max_tokens=2, adapter="sql"))
+        base = await s.client.generate(build_request(prompt="a b", max_tokens=2))
+        # Its Timings name the adapter it ran with.
+        assert (with_adapter.timings.adapter, base.timings.adapter) == ("sql", "")
         responses = s.stub.Generate(engine_request("e-1"), metadata=(("phasescope-adapter", "sql"),))
         async for _ in responses:
             pass
+        trailing = dict(await responses.trailing_metadata())
+        assert pb.Timings.FromString(trailing[TIMINGS_METADATA_KEY]).adapter == "sql"
     assert list(engine.adapter_of.values()) == ["sql", "", "sql"]
 
 
