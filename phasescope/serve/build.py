@@ -25,6 +25,12 @@ From a request or an engine step to a Prometheus sample, as wired here:
           its first token (at most 1 s later), and before every read: a scrape (its hook), the live view, GetLoads
     the registry, in order: telemetry errors, the pipeline's hook, the request series (build_server), the step
           series, the GPU counters (attach_engine) ─▶ /metrics
+
+A LoRA adapter rides both routes: the request path labels each request once it is decoded (one `AdapterLabels`,
+bounded by --max-adapter-labels), and its records carry that label to the request series; each step's report
+names the adapters it ran by their engine ids, which the aggregator reads through the engine's
+`ModelDescription.adapters_by_id` into the step's bytes and FLOPs and the adapter series of `StepMetrics` (under the
+same labels).
 """
 
 from __future__ import annotations
