@@ -7,7 +7,7 @@ this seam keeps its unstable interfaces in one module.
 from __future__ import annotations
 
 import re
-from collections.abc import AsyncGenerator, Mapping
+from collections.abc import AsyncGenerator, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -109,6 +109,11 @@ def adapter_name_problem(name: str) -> str | None:
     if name in RESERVED_ADAPTER_NAMES:
         return f"{' and '.join(RESERVED_ADAPTER_NAMES)} are the series' own labels, not adapter names"
     return None
+
+
+def unknown_adapter(name: str, served: Iterable[str]) -> str:
+    """What a request for an adapter the engine does not serve is told (the served ones, in the order loaded)."""
+    return f"no adapter named {name!r} is served (served: {', '.join(served) or 'none'})"
 
 
 @dataclass(frozen=True, slots=True)

@@ -24,11 +24,11 @@ import uuid
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from contextlib import aclosing, contextmanager
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import grpc
 
-from phasescope.engine.base import Engine, EngineStep, ModelDescription
+from phasescope.engine.base import Engine, EngineStep, ModelDescription, unknown_adapter
 from phasescope.engine.request import KvTransfer, ModelLimits, ParsedInput
 from phasescope.errors import (
     EngineUnavailableError,
@@ -278,10 +278,11 @@ class RequestPath:
         async with self.begin(streaming, context) as lifecycle:
             engine = self.ready_engine()
             ask = decode(engine.limits)
-            served = any(adapter.name == ask.adapter for adapter in engine.adapters) if ask.adapter else True
+            served = not ask.adapter or any(adapter.name == ask.adapter for adapter in engine.adapters)
             lifecycle.adapter = self.adapter_labels.label(ask.adapter, served)
             check_kv_transfer(ask.kv_transfer, engine.description)
-            check_adapter(ask.adapter, ask.adapter_field, engine)
+            if not served:
+                refuse_adapter(ask.adapter, ask.adapter_field, engine)
             async with lifecycle.admitted(self.caller(context)):
                 prompt = await self.tokenize(engine, ask.input)
                 prompt = truncate_prompt(
@@ -346,15 +347,12 @@ def check_kv_transfer(kv_transfer: KvTransfer | None, description: ModelDescript
         )
 
 
-def check_adapter(adapter: str, field: str, engine: Engine) -> None:
-    """An adapter must be one the engine serves: NOT_FOUND naming the field (and the served ones) otherwise, or
+def refuse_adapter(adapter: str, field: str, engine: Engine) -> NoReturn:
+    """A request for an adapter the engine does not serve: NOT_FOUND naming the field (and the served ones), or
     FAILED_PRECONDITION from a worker that runs none."""
-    if not adapter or any(served.name == adapter for served in engine.adapters):
-        return
     if not engine.description.max_loras:
         raise NotConfiguredError(field, "this worker runs no LoRA adapters (start it with --lora-modules NAME=PATH)")
-    names = ", ".join(served.name for served in engine.adapters) or "none"
-    raise NotFoundError(field, f"no adapter named {adapter!r} is served (served: {names})")
+    raise NotFoundError(field, unknown_adapter(adapter, (served.name for served in engine.adapters)))
 
 
 def _output(lifecycle: RequestLifecycle, request_id: str, first_prompt_token: int, step: EngineStep) -> Output:

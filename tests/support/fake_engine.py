@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from phasescope.engine.base import Adapter, EngineStep, KvConnector, ModelDescription, TokenLogprob
+from phasescope.engine.base import Adapter, EngineStep, KvConnector, ModelDescription, TokenLogprob, unknown_adapter
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec
 from phasescope.errors import AlreadyExistsError, InvalidRequestError, NotConfiguredError, NotFoundError
 from phasescope.telemetry.model.adapter import AdapterError, read_adapter
@@ -158,14 +158,14 @@ class ScriptedEngine:
 
     async def unload_adapter(self, name: str) -> Adapter:
         if name not in self.served_adapters:
-            raise NotFoundError("name", f"no adapter named {name!r} is served")
+            raise NotFoundError("name", unknown_adapter(name, self.served_adapters))
         return self.served_adapters.pop(name)
 
     def generate(
         self, request_id: str, prompt_token_ids: list[int], sampling: SamplingSpec, adapter: str = ""
     ) -> AsyncGenerator[EngineStep, None]:
         if adapter and adapter not in self.served_adapters:
-            raise NotFoundError("adapter", f"no adapter named {adapter!r} is served")
+            raise NotFoundError("adapter", unknown_adapter(adapter, self.served_adapters))
         self.adapter_of[request_id] = adapter
         if sampling.temperature is not None and sampling.temperature > self._refuse_temperature_above:
             raise InvalidRequestError("sampling.temperature", f"must be at most {self._refuse_temperature_above:g}")

@@ -171,10 +171,18 @@ class CoreTelemetry:
         self._in_update = False
 
     def scheduled(self, scheduler_output: Any) -> None:
-        self._handed_at[id(scheduler_output)] = self._clock()
-        if self._max_loras:
-            # Read now: a request the step finishes is freed before the step's report is made.
+        handed_at = self._handed_at[id(scheduler_output)] = self._clock()
+        if not self._max_loras:
+            return
+        # Read now: a request the step finishes is freed before the step's report is made. Its time counts with the
+        # step's hook; a failure drops the adapters of this step only, never reaches the engine loop.
+        publisher = self._publisher
+        try:
             self._adapters_of[id(scheduler_output)] = self._adapter_tokens(scheduler_output)
+        except Exception:
+            publisher.dropped_reports += 1
+            logger.exception("phasescope could not read a step's LoRA adapters; the step is counted without them")
+        publisher.hook_seconds += self._clock() - handed_at
 
     def stats_made(self, perf_stats: Any, spec_decoding_stats: Any) -> None:
         if self._in_update:

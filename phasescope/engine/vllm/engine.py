@@ -33,6 +33,7 @@ from phasescope.engine.base import (
     ModelDescription,
     Speculative,
     TokenLogprob,
+    unknown_adapter,
 )
 from phasescope.engine.request import ModelLimits, ParsedInput, SamplingSpec, StructuredOutput
 from phasescope.engine.vllm.core_telemetry import telemetry_scheduler
@@ -463,8 +464,7 @@ class Adapters:
     """The LoRA adapters one engine serves, by name: each checked against the base model before vLLM sees it (a
     folder vLLM fails to load at a step would end the engine core)."""
 
-    def __init__(self, enabled: bool, base_config: dict[str, Any], max_rank: int) -> None:
-        self.enabled = enabled
+    def __init__(self, base_config: dict[str, Any], max_rank: int) -> None:
         self._base_config = base_config
         self._max_rank = max_rank
         self._served: dict[str, _Served] = {}
@@ -502,8 +502,7 @@ class Adapters:
         return served.request
 
     def unknown(self, name: str) -> str:
-        names = ", ".join(sorted(self._served)) or "none"
-        return f"no adapter named {name!r} is served (served: {names})"
+        return unknown_adapter(name, self._served)
 
     @property
     def all(self) -> tuple[Adapter, ...]:
@@ -516,7 +515,7 @@ class Adapters:
 
 def _initial_adapters(options: EngineOptions, base_config: dict[str, Any]) -> Adapters:
     """The adapters of --lora-modules, each checked: what is refused is one `EngineConfigError` line naming it."""
-    adapters = Adapters(options.lora, base_config, options.max_lora_rank)
+    adapters = Adapters(base_config, options.max_lora_rank)
     for name, path in options.lora_modules:
         try:
             adapters.add(adapters.check(name, path))
@@ -530,7 +529,7 @@ class VllmEngine:
 
     def __init__(self, llm: Any, description: ModelDescription, hub: StepHub, adapters: Adapters | None = None) -> None:
         self._llm = llm
-        self._adapters = adapters or Adapters(False, {}, 0)
+        self._adapters = adapters or Adapters({}, 0)
         # Where the engine cores' step reports arrive (phasescope.engine.vllm.core_telemetry publishes them).
         self._hub = hub
         self._description = description
@@ -624,7 +623,7 @@ class VllmEngine:
         return self._adapters.all
 
     async def load_adapter(self, name: str, path: str) -> Adapter:
-        if not self._adapters.enabled:
+        if not self._description.max_loras:
             raise NotConfiguredError("name", "this worker runs no adapters (start it with --allow-adapter-updates)")
         if name in self._adapters:
             raise AlreadyExistsError("name", f"an adapter named {name!r} is served already (unload it first)")

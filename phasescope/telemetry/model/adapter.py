@@ -60,6 +60,13 @@ class AdapterShape:
     """2 × r × (in + out) summed over every adapted projection of every layer."""
 
 
+def adapter_step_work(shape: AdapterShape, tokens: int, devices: int = 1) -> tuple[float, float]:
+    """(FLOPs, bytes read) on each device of one adapter in one step that ran `tokens` tokens of its sequences: its
+    A and B matrices once, its FLOPs per token for each token, sharded as the model is. The rule the step
+    attribution and the calculator both follow."""
+    return tokens * shape.flops_per_token / devices, shape.bytes / devices
+
+
 class NamedAdapter(Protocol):
     """An adapter as the step telemetry reads it: its name and what it holds (the engine's `Adapter`)."""
 

@@ -15,7 +15,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from phasescope.telemetry.hardware.peaks import HardwarePeaks
-from phasescope.telemetry.model.adapter import AdapterShape, projection_sizes
+from phasescope.telemetry.model.adapter import AdapterShape, adapter_step_work, projection_sizes
 from phasescope.telemetry.model.cost import ModelCost, dtype_bytes, model_shape
 from phasescope.telemetry.model.roofline import decode_step
 
@@ -89,15 +89,15 @@ def lora_rows(
     if adapters < 1:
         raise ValueError(f"the adapters per batch must be at least 1, got {adapters}")
     devices = cost.devices
-    per_adapter_bytes = shape.bytes / devices
-    per_token_flops = shape.flops_per_token / devices
+    per_token_flops, per_adapter_bytes = adapter_step_work(shape, 1, devices)
     bandwidth, peak_flops = peaks.memory_bandwidth_bytes_per_second, peaks.peak_flops(dtype)
     rows = []
     for batch in batch_sizes:
         base = decode_step(cost, peaks, dtype, batch, context_length)
         distinct = min(adapters, batch)
-        extra_bytes = distinct * per_adapter_bytes
+        # The batch's sequences over `distinct` adapters: their tokens' FLOPs, each adapter's matrices once.
         extra_flops = batch * per_token_flops
+        extra_bytes = distinct * per_adapter_bytes
         step_bytes, step_flops = base.bytes_per_step + extra_bytes, base.flops_per_step + extra_flops
         memory_seconds, compute_seconds = step_bytes / bandwidth, step_flops / peak_flops
         seconds = max(memory_seconds, compute_seconds)

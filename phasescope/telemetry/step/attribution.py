@@ -46,7 +46,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from phasescope.telemetry.model.adapter import NamedAdapter
+from phasescope.telemetry.model.adapter import NamedAdapter, adapter_step_work
 from phasescope.telemetry.model.cost import ModelCost
 from phasescope.telemetry.model.speculation import (
     Drafter,
@@ -108,6 +108,50 @@ class SpeculativeCost:
 
 
 @dataclass(frozen=True, slots=True)
+class AdapterCharge:
+    """One adapter's part of a step, per device."""
+
+    name: str
+    tokens: int
+    """Its sequences' tokens in the step, both phases."""
+    flops: float
+    read_bytes: float
+
+
+@dataclass(frozen=True, slots=True)
+class AdapterWork:
+    """What a step's LoRA adapters add, per device, by phase: each distinct adapter's A and B matrices read once
+    (shared between its prompt chunks and its decodes by their tokens), and its FLOPs per token; and each
+    adapter's part (`each`), which the adapter series count."""
+
+    prefill_flops: float = 0.0
+    decode_flops: float = 0.0
+    prefill_bytes: float = 0.0
+    decode_bytes: float = 0.0
+    each: tuple[AdapterCharge, ...] = ()
+
+
+def adapter_work(step: StepRecord, adapters: Mapping[int, NamedAdapter], devices: int = 1) -> AdapterWork:
+    """The step's adapters' work (`AdapterWork`); an adapter the engine does not know (yet) adds nothing."""
+    if not step.adapters:
+        return AdapterWork()
+    prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0.0
+    each = []
+    for tokens in step.adapters:
+        adapter = adapters.get(tokens.adapter)
+        total = tokens.prefill_tokens + tokens.decode_tokens
+        if adapter is None or not total:
+            continue
+        flops, read_bytes = adapter_step_work(adapter.shape, total, devices)
+        prefill_flops += flops * tokens.prefill_tokens / total
+        decode_flops += flops * tokens.decode_tokens / total
+        prefill_bytes += read_bytes * tokens.prefill_tokens / total
+        decode_bytes += read_bytes * tokens.decode_tokens / total
+        each.append(AdapterCharge(adapter.name, total, flops, read_bytes))
+    return AdapterWork(prefill_flops, decode_flops, prefill_bytes, decode_bytes, tuple(each))
+
+
+@dataclass(frozen=True, slots=True)
 class StepCost:
     """A step's totals and their attribution to the phases."""
 
@@ -120,38 +164,8 @@ class StepCost:
     shares: dict[str, PhaseShare]
     speculative: SpeculativeCost | None = None
     """Under speculative decoding, a verify step's decode work."""
-
-
-@dataclass(frozen=True, slots=True)
-class AdapterWork:
-    """What a step's LoRA adapters add, per device, by phase: each distinct adapter's A and B matrices read once
-    (shared between its prompt chunks and its decodes by their tokens), and its FLOPs per token."""
-
-    prefill_flops: float = 0.0
-    decode_flops: float = 0.0
-    prefill_bytes: float = 0.0
-    decode_bytes: float = 0.0
-
-
-NO_ADAPTER_WORK = AdapterWork()
-
-
-def adapter_work(step: StepRecord, adapters: Mapping[int, NamedAdapter], devices: int = 1) -> AdapterWork:
-    """The step's adapters' work (`AdapterWork`); an adapter the engine does not know (yet) adds nothing."""
-    if not step.adapters:
-        return NO_ADAPTER_WORK
-    prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0.0
-    for tokens in step.adapters:
-        adapter = adapters.get(tokens.adapter)
-        total = tokens.prefill_tokens + tokens.decode_tokens
-        if adapter is None or not total:
-            continue
-        shape = adapter.shape
-        prefill_flops += tokens.prefill_tokens * shape.flops_per_token / devices
-        decode_flops += tokens.decode_tokens * shape.flops_per_token / devices
-        prefill_bytes += shape.bytes / devices * tokens.prefill_tokens / total
-        decode_bytes += shape.bytes / devices * tokens.decode_tokens / total
-    return AdapterWork(prefill_flops, decode_flops, prefill_bytes, decode_bytes)
+    adapters: AdapterWork = AdapterWork()
+    """What the step's LoRA adapters added (included in the totals and the shares)."""
 
 
 def decode_context_tokens(step: StepRecord) -> int:
@@ -257,9 +271,8 @@ class StepAttributor:
                 written_bytes,
                 step.prefill_tokens,
             )
-            return StepCost(
-                flops, read_bytes, written_bytes, model_flops, model_read, {"prefill": prefill, "decode": EMPTY_SHARE}
-            )
+            shares = {"prefill": prefill, "decode": EMPTY_SHARE}
+            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, adapters=adapters)
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total), and its drafter's work; the chunk
         # pays the rest, everything it adds (its KV, its activations).
@@ -305,7 +318,7 @@ class StepAttributor:
         )
         shares = {"prefill": prefill, "decode": decode}
         if speculative is None:
-            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares)
+            return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, adapters=adapters)
         verify_seconds = self._roofline_seconds(verify_flops, verify_read + verify_written)
         drafter_roofline_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
         useful = useful_flops(verify_flops, step.decode_tokens, emitted)
@@ -323,7 +336,7 @@ class StepAttributor:
             speculative_seconds=verify_seconds + drafter_roofline_seconds,
             plain_seconds=self._plain_decode_seconds(step),
         )
-        return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, speculation)
+        return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, speculation, adapters)
 
 
 def attribute_step(

@@ -216,29 +216,20 @@ class StepMetrics(StepSink, Collector):
             self.adapter_cost,
         )
 
-    def _count_adapters(self, step: StepRecord) -> None:
+    def _count_adapters(self, step: StepRecord, cost: StepCost) -> None:
         """Each adapter's part of the step, as the attribution charged it (`attribution.adapter_work`), and its share
         of the step's time (and price) by its sequences' tokens."""
-        adapters, devices = self._steps.adapters, self._steps.cost.devices
         step_tokens = step.prefill_tokens + step.decode_tokens
-        price_per_second = self._steps.cost_per_hour / 3600.0 if self._steps.cost_per_hour is not None else None
-        for tokens in step.adapters:
-            adapter = adapters.get(tokens.adapter)
-            if adapter is None:
-                continue
-            label = self._adapter_label(adapter.name)
-            shape = adapter.shape
-            self.adapter_flops.inc(
-                (tokens.prefill_tokens + tokens.decode_tokens) * shape.flops_per_token / devices, self._model, label
-            )
-            self.adapter_read_bytes.inc(shape.bytes / devices, self._model, label)
+        cost_per_hour = self._steps.cost_per_hour
+        for charge in cost.adapters.each:
+            label = self._adapter_label(charge.name)
+            self.adapter_flops.inc(charge.flops, self._model, label)
+            self.adapter_read_bytes.inc(charge.read_bytes, self._model, label)
             self.adapter_steps.inc(1, self._model, label)
-            if not step_tokens:
-                continue
-            busy = step.elapsed_seconds * (tokens.prefill_tokens + tokens.decode_tokens) / step_tokens
+            busy = step.elapsed_seconds * charge.tokens / step_tokens
             self.adapter_busy_seconds.inc(busy, self._model, label)
-            if price_per_second is not None:
-                self.adapter_cost.inc(busy * price_per_second, self._model, label)
+            if cost_per_hour is not None:
+                self.adapter_cost.inc(busy * cost_per_hour / 3600.0, self._model, label)
 
     def queue(self, state: SchedulerState) -> None:
         if self._last_queue.get(state.engine) == state:
@@ -291,8 +282,8 @@ class StepMetrics(StepSink, Collector):
             written_bytes.inc(share.written_bytes)
             busy_seconds.inc(share.seconds)
             tokens.inc(share.tokens)
-        if step.adapters:
-            self._count_adapters(step)
+        if cost.adapters.each:
+            self._count_adapters(step, cost)
         if (speculative := step.speculative) is not None:
             model = self._model
             self.speculative_drafts.inc(speculative.drafts, model, engine)
