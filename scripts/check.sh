@@ -14,10 +14,22 @@ step "ruff format --check"
 "$BIN/ruff" format --check .
 step "import-linter (layering contracts in pyproject.toml)"
 "$BIN/lint-imports"
+# mypy and the unit tests each keep one core busy for about a minute: they run side by side, mypy's report
+# printed when both are done.
+mypy_log=$(mktemp)
+"$BIN/mypy" >"$mypy_log" 2>&1 &
+mypy_pid=$!
+trap 'kill "$mypy_pid" 2>/dev/null || true; rm -f "$mypy_log"' EXIT
+step "unit tests (no engine), with mypy --strict beside them"
+units=0
+"$BIN/pytest" tests/unit -q || units=$?
+typed=0
+wait "$mypy_pid" || typed=$?
 step "mypy --strict"
-"$BIN/mypy"
-step "unit tests (no engine)"
-"$BIN/pytest" tests/unit -q
+cat "$mypy_log"
+if ((units || typed)); then
+    exit 1
+fi
 step "engine-package and integration tests (vLLM and PyTorch; real engine, real servers)"
 # Two workers, each taking whole modules (a module's servers are its own), in the order collected (the longest
 # first: tests/integration/conftest.py): a server's start is mostly one busy core, so two modules side by side
