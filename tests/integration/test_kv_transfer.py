@@ -3,7 +3,8 @@ store) behind --kv-transfer-config. GetServerInfo says which connector and role 
 sent again is loaded from the store instead of computed (vLLM's own count of transferred tokens grows) and
 answers the same, and kv_transfer_params reach the engine on vLLM's engine protocol.
 
-One server for the module. vLLM's ExampleConnector alone kills the engine when a prompt shorter than one KV
+One server for the module, with a step budget of STEP_TOKENS: the long prompt is prefilled in one step, a prompt
+over twice as long in three. vLLM's ExampleConnector alone kills the engine when a prompt shorter than one KV
 block (128 tokens on a CPU) is seen twice (its lookup answers a negative match); phasescope's wrapper around
 every connector refuses matches below one block, and a test here sends such prompts again and again.
 """
@@ -27,6 +28,9 @@ from support.servers import ServerProcess
 BLOCK_TOKENS = 128
 """vLLM's KV block on a CPU: the ExampleConnector stores and loads whole blocks of it."""
 EXTERNAL = "vllm:prompt_tokens_by_source_total"
+STEP_TOKENS = 768
+"""The server's step budget (--max-num-batched-tokens): above LONG_PROMPT's 647 tokens, below half of
+SPLIT_PROMPT's."""
 # Distinct sentences, so nothing but the store can supply the prompt's KV once the prefix cache is flushed.
 LONG_PROMPT = " ".join(
     f"Note {index}: the {colour} house on street {index} has {index % 7 + 2} windows and a {tree} tree."
@@ -39,6 +43,7 @@ LONG_PROMPT = " ".join(
     )
 )
 LONG_PROMPT += " Which street has the most windows?"
+SPLIT_PROMPT = " ".join(f"Part {part}. {LONG_PROMPT}" for part in range(3))
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,7 @@ def pd_server(
         "kv_role": "kv_both",
         "kv_connector_extra_config": {"shared_storage_path": str(store)},
     }
-    return start_server("--kv-transfer-config", json.dumps(config)), store
+    return start_server("--kv-transfer-config", json.dumps(config), "--max-num-batched-tokens", str(STEP_TOKENS)), store
 
 
 def complete(server: ServerProcess, request_id: str, **fields: Any) -> Any:
@@ -187,26 +192,18 @@ def test_each_requests_kv_transfer_is_a_stage_inside_its_prefill_with_the_tokens
 
 
 def test_a_stored_entry_shorter_than_its_match_is_recomputed_and_the_worker_keeps_serving(
-    start_server: Callable[..., ServerProcess], tmp_path: Path
+    pd_server: tuple[ServerProcess, Path],
 ) -> None:
     """vLLM's ExampleConnector stores only a prompt's first chunk when the prompt is prefilled in several steps,
     under the whole prompt's name; loading it again fails ("shape mismatch"), which alone ends the engine. Behind
     phasescope's connector the failed load's blocks are recomputed: the same answer, nothing counted as loaded."""
-    config = {
-        "kv_connector": "ExampleConnector",
-        "kv_role": "kv_both",
-        "kv_connector_extra_config": {"shared_storage_path": str(tmp_path)},
-    }
-    server = start_server("--kv-transfer-config", json.dumps(config), "--max-num-batched-tokens", "256")
-    try:
-        request = build_request(prompt=LONG_PROMPT, temperature=0.0, max_tokens=4, ignore_eos=True)
-        with server.client() as client:
-            first = client.generate(request)
-            assert first.usage.prompt_tokens > 2 * 256  # prefilled in three steps or more
-            server.flush_prefix_cache()
-            second = client.generate(request)
-        assert list(second.token_ids) == list(first.token_ids)
-        assert second.timings.kv_loaded_tokens == 0
-        assert server.health() == "SERVING"
-    finally:
-        server.stop()
+    server, _ = pd_server
+    request = build_request(prompt=SPLIT_PROMPT, temperature=0.0, max_tokens=4, ignore_eos=True)
+    with server.client() as client:
+        first = client.generate(request)
+        assert first.usage.prompt_tokens > 2 * STEP_TOKENS  # prefilled in three steps
+        server.flush_prefix_cache()
+        second = client.generate(request)
+    assert list(second.token_ids) == list(first.token_ids)
+    assert second.timings.kv_loaded_tokens == 0
+    assert server.health() == "SERVING"
