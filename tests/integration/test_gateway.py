@@ -188,6 +188,8 @@ def test_get_loads_agrees_with_the_metrics(server: ServerProcess) -> None:
 
 
 FRONT_ENDS = ("rust", "python")
+PAIR_CONTEXT = 512
+"""The worker pair's context: issue 46's answer runs to its end, so a short one keeps that answer short."""
 
 
 @pytest.fixture(scope="module")
@@ -201,7 +203,7 @@ def worker_pair(start_server: Callable[..., ServerProcess]) -> list[ServerProces
         workers.append(
             start_server(
                 "--front-end", front_end, "--model", str(ensure_tiny_model()), "--kv-events-config", json.dumps(events),
-                wait=False,
+                "--max-model-len", str(PAIR_CONTEXT), wait=False,
             )
         )  # fmt: skip
     for worker in workers:
@@ -231,11 +233,11 @@ def test_the_model_path_is_its_id_and_max_tokens_at_the_contexts_size_runs_to_it
         with openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", timeout=120, max_retries=0) as client:
             assert [model.id for model in client.models.list()] == [str(ensure_tiny_model())]
             answer = client.completions.create(
-                model=str(ensure_tiny_model()), prompt="Hi", max_tokens=2048, temperature=0
+                model=str(ensure_tiny_model()), prompt="Hi", max_tokens=PAIR_CONTEXT, temperature=0
             )
     assert answer.choices[0].finish_reason == "length"
     assert answer.usage is not None
-    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == 2048  # support.servers.BASE_ARGS
+    assert answer.usage.prompt_tokens + answer.usage.completion_tokens == PAIR_CONTEXT
 
 
 def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it_holds_it(
@@ -245,7 +247,7 @@ def test_cache_aware_routing_sends_a_prefix_to_the_worker_whose_kv_events_say_it
     # events can tell the gateway where its blocks are. Six prefixes, alternating holders: luck would place all
     # six right once in 64 runs.
     def words(topic: int) -> str:
-        return " ".join(f"topic{topic} word{index}" for index in range(300))
+        return " ".join(f"topic{topic} word{index}" for index in range(90))  # 3 whole KV blocks and more
 
     # Token ids, as the gateway sends them (smg's Rust request path takes nothing else).
     tokenizer = load_tokenizer(str(ensure_tiny_model()))
@@ -296,7 +298,7 @@ def test_each_kv_event_batch_carries_the_workers_load_and_an_idle_stream_its_hea
             # New prefixes store new blocks: their events open the stream (ZMQ's subscription may join late).
             for attempt in range(20):
                 request = pb.GenerateRequest(
-                    request_id=f"loaded-{attempt}", text=" ".join(f"load{attempt} word{i}" for i in range(200)),
+                    request_id=f"loaded-{attempt}", text=" ".join(f"load{attempt} word{i}" for i in range(80)),
                     sampling_params=pb.SamplingParams(max_tokens=64, ignore_eos=True),
                 )  # fmt: skip
                 list(engine.Generate(request))
