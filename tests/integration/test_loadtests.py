@@ -26,7 +26,7 @@ def run_locust(server: ServerProcess, prefix: Path, *extra: str) -> subprocess.C
     return subprocess.run(
         [
             str(LOCUST), "-f", "loadtests/locustfile.py", "--headless", "--only-summary",
-            "-u", "3", "-r", "3", "-t", "12s", "--stop-timeout", "30", "--host", server.address,
+            "-u", "3", "-r", "3", "-t", "5s", "--stop-timeout", "30", "--host", server.address,
             "--max-tokens", "12", "--ignore-eos", "--csv", str(prefix), *extra,
         ],
         cwd=ROOT,
