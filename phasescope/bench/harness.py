@@ -111,6 +111,7 @@ class ManagedProcess:
         self.log_path = log_path
         self._log = log_path.open("wb")
         self._stopped = False
+        self._terminated = False
         self.process = subprocess.Popen(
             command,
             cwd=cwd,
@@ -145,16 +146,24 @@ class ManagedProcess:
     def log_tail(self, lines: int = 60) -> str:
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
+    def terminate(self) -> None:
+        """SIGTERM now, once (a server starts to drain), without waiting: `stop` then waits for it. Stopping
+        several processes, terminate each first and they shut down side by side."""
+        if not self._terminated and not self._stopped and self.process.poll() is None:
+            self._terminated = True
+            self.process.send_signal(signal.SIGTERM)
+
     def stop(self, timeout: float = 90.0) -> int:
-        """SIGTERM (a server drains), then SIGKILL the whole process group if it does not exit in time.
+        """SIGTERM (a server drains; not again after `terminate`), then SIGKILL the whole process group if it does
+        not exit in time.
 
         Safe to call again: the group is signalled once, never after its id may have been reused.
         """
         if self._stopped:
             return int(self.process.returncode)
+        self.terminate()
         self._stopped = True
         if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout=timeout)
         # The group holds the processes this one spawned (a server's engine cores).

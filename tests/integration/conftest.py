@@ -58,13 +58,19 @@ class Servers:
         return server
 
     def stop_module_servers(self) -> None:
-        while self._module:
-            self._module.pop().stop()
+        self._stop(self._module)
 
     def stop_all(self) -> None:
-        self.stop_module_servers()
-        while self._session:
-            self._session.pop().stop()
+        self._stop(self._module)
+        self._stop(self._session)
+
+    @staticmethod
+    def _stop(servers: list[ServerProcess]) -> None:
+        """All of them at once: each is told to stop, then each is waited for (and killed if it hangs)."""
+        for server in servers:
+            server.terminate()
+        while servers:
+            servers.pop().stop()
 
 
 @pytest.fixture(scope="session")

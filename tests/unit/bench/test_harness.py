@@ -58,6 +58,36 @@ def test_stop_ends_the_whole_process_group(tmp_path: Path) -> None:
     assert process.stop() == process.process.returncode  # a second stop leaves it as it is
 
 
+# Counts the SIGTERMs it gets (a line each) and exits a moment after the first, as a draining server does.
+COUNTS_SIGTERMS = (
+    "import signal, sys, time\n"
+    "def count(signum, frame):\n"
+    "    print('SIGTERM', flush=True)\n"
+    "signal.signal(signal.SIGTERM, count)\n"
+    "print('ready', flush=True)\n"
+    "while 'SIGTERM' not in open(sys.argv[1]).read():\n"
+    "    time.sleep(0.01)\n"
+    "time.sleep(0.5)\n"
+)
+
+
+def test_processes_told_to_terminate_first_drain_side_by_side_and_each_is_signalled_once(tmp_path: Path) -> None:
+    logs = [tmp_path / f"log{index}" for index in range(2)]
+    processes = [ManagedProcess([sys.executable, "-c", COUNTS_SIGTERMS, str(log)], log) for log in logs]
+    for process in processes:
+        while "ready" not in process.log_path.read_text():
+            time.sleep(0.01)
+    started = time.monotonic()
+    for process in processes:
+        process.terminate()
+        process.terminate()
+    for process in processes:
+        assert process.stop(timeout=10) == 0
+    # Both drained at once (0.5 s each), and neither got a second SIGTERM from terminate or stop.
+    assert time.monotonic() - started < 0.95
+    assert [log.read_text().count("SIGTERM") for log in logs] == [1, 1]
+
+
 def test_a_managed_process_has_its_own_group_but_shares_the_callers_session(tmp_path: Path) -> None:
     # Its own process group, so stop() can end the whole tree; the caller's session, so the kernel's
     # autogroup scheduler does not give a server and its engine a CPU share of their own against the
