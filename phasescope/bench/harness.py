@@ -273,10 +273,13 @@ class GatewayProcess(ManagedProcess):
         """`time.monotonic()` when a worker had registered (the gateway pings it from then on)."""
         # The launcher installed beside this interpreter (the serving environment's `smg`).
         launcher = Path(sys.executable).with_name("smg")
+        # Stopped once its callers are done, with no load balancer in front: smg's default grace keeps the listener
+        # open 5 s after a SIGTERM for one to notice; 1 s lets it exit in half a second.
         command = [str(launcher), "launch", "--host", "127.0.0.1", "--port", str(self.port),
                    "--worker-urls", *(f"grpc://{address}" for address in worker_addresses),
                    "--tokenizer-path", str(tokenizer_path), "--policy", policy, "--prometheus-host", "127.0.0.1",
-                   "--prometheus-port", str(self.metrics_port), *extra_args]  # fmt: skip
+                   "--prometheus-port", str(self.metrics_port), "--shutdown-grace-period-secs", "1",
+                   *extra_args]  # fmt: skip
         super().__init__(command, log_path)
 
     def models(self) -> list[str]:
