@@ -43,13 +43,16 @@ def test_requests_that_die_mid_prefill_are_observed_and_miss_the_ttft_slo(server
     before = server.samples()
     n = 3
     # A 300-token prompt takes the engine well over a second to prefill on a CPU: a 0.3 s
-    # deadline ends each request before its first token, in the queue or mid-prefill.
+    # deadline ends each request before its first token, in the queue or mid-prefill. The channel is
+    # connected first, so that no deadline runs out before its request reaches the server.
     codes = []
-    for index in range(n):
-        request = build_request(token_ids=distinct_prompt(300, seed=index), max_tokens=4)
-        with server.client(timeout_seconds=0.3) as client, pytest.raises(grpc.RpcError) as caught:
-            client.generate(request)
-        codes.append(caught.value.code())
+    with server.client() as client:
+        client.model_info()
+        for index in range(n):
+            request = build_request(token_ids=distinct_prompt(300, seed=index), max_tokens=4)
+            with pytest.raises(grpc.RpcError) as caught:
+                client.generate(request, deadline_seconds=0.3)
+            codes.append(caught.value.code())
     assert codes == [grpc.StatusCode.DEADLINE_EXCEEDED] * n
     # The engine core finishes a step it began before it sees an abort, and reports the step
     # then. It runs requests in order, so once a later request is answered every step of the
