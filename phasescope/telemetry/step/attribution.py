@@ -131,10 +131,14 @@ class AdapterWork:
     each: tuple[AdapterCharge, ...] = ()
 
 
+NO_ADAPTER_WORK = AdapterWork()
+"""A step that ran no adapter (most steps): one shared value, not one made per step."""
+
+
 def adapter_work(step: StepRecord, adapters: Mapping[int, NamedAdapter], devices: int = 1) -> AdapterWork:
     """The step's adapters' work (`AdapterWork`); an adapter the engine does not know (yet) adds nothing."""
     if not step.adapters:
-        return AdapterWork()
+        return NO_ADAPTER_WORK
     prefill_flops = decode_flops = prefill_bytes = decode_bytes = 0.0
     each = []
     for tokens in step.adapters:
@@ -164,7 +168,7 @@ class StepCost:
     shares: dict[str, PhaseShare]
     speculative: SpeculativeCost | None = None
     """Under speculative decoding, a verify step's decode work."""
-    adapters: AdapterWork = AdapterWork()
+    adapters: AdapterWork = NO_ADAPTER_WORK
     """What the step's LoRA adapters added (included in the totals and the shares)."""
 
 
