@@ -7,6 +7,7 @@ stopped when its module ends.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -40,12 +41,18 @@ def default_model() -> Path:
 class Servers:
     """Every server the tests start. Each is stopped at the end of the module that started it, the shared one at
     the session's end, so a run holds only the servers of the module it is in (two run side by side, one module
-    each: scripts/check.sh)."""
+    each: scripts/check.sh).
+
+    A module's servers are told to stop when it ends, and the next module starts at once: a thread waits for them
+    to exit (and kills one that hangs) while the next module's servers start. Their shutdown is seconds of a
+    worker's wall time that needs little CPU. The session's end waits for every one.
+    """
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
         self._tmp_path_factory = tmp_path_factory
         self._module: list[ServerProcess] = []
         self._session: list[ServerProcess] = []
+        self._stopping: list[threading.Thread] = []
 
     def start(
         self, *extra_args: str, wait: bool = True, env: dict[str, str] | None = None, shared: bool = False
@@ -58,11 +65,19 @@ class Servers:
         return server
 
     def stop_module_servers(self) -> None:
-        self._stop(self._module)
+        servers, self._module = self._module, []
+        for server in servers:
+            server.terminate()
+        if servers:
+            waiting = threading.Thread(target=self._stop, args=(servers,), name="stopping-servers", daemon=True)
+            waiting.start()
+            self._stopping.append(waiting)
 
     def stop_all(self) -> None:
         self._stop(self._module)
         self._stop(self._session)
+        for waiting in self._stopping:
+            waiting.join()
 
     @staticmethod
     def _stop(servers: list[ServerProcess]) -> None:

@@ -79,15 +79,12 @@ def test_n_gram_drafts_accept_more_of_a_repeating_prompt_and_never_more_than_dra
     start_server: Callable[..., ServerProcess],
 ) -> None:
     config = {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_max": 4, "prompt_lookup_min": 2}
-    server = start_server("--speculative-config", json.dumps(config))
-    try:
-        with server.client() as ngram:
-            repeating = ngram.generate(build_request(prompt=REPEATING, temperature=0.0, max_tokens=48)).timings
-            varied = ngram.generate(
-                build_request(chat=[("user", "Write a short poem about a lighthouse.")], temperature=0.0, max_tokens=48)
-            ).timings
-    finally:
-        server.stop()
+    server = start_server("--speculative-config", json.dumps(config))  # stopped with the module (conftest.Servers)
+    with server.client() as ngram:
+        repeating = ngram.generate(build_request(prompt=REPEATING, temperature=0.0, max_tokens=48)).timings
+        varied = ngram.generate(
+            build_request(chat=[("user", "Write a short poem about a lighthouse.")], temperature=0.0, max_tokens=48)
+        ).timings
     for timings in (repeating, varied):
         assert timings.speculative_accepted_tokens <= timings.speculative_drafted_tokens
     assert repeating.speculative_drafted_tokens > 0
