@@ -65,13 +65,16 @@ def loaded(prometheus: PrometheusServer, server: ServerProcess) -> str:
         with pytest.raises(grpc.RpcError):
             client.generate(build_request(prompt="bad", top_p=5.0))
         client.generate(build_request(prompt="And one more:", max_tokens=12, ignore_eos=True))
-    # Enough scrapes after the load for rate() over the dashboard's window.
+
+    # Enough scrapes after the load for rate() over the dashboard's window: rate() needs two samples of a series,
+    # and the rejections' series, the last to appear, has them only two scrapes after the rejection.
+    def scrapes(series: str) -> float:
+        result = prometheus.query(f'count_over_time({series}{{instance="{instance}"}}[5m])')["data"]["result"]
+        return min((float(each["value"][1]) for each in result), default=0.0)
+
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
-        result = prometheus.query(f'count_over_time(phasescope_requests_in_flight{{instance="{instance}"}}[5m])')[
-            "data"
-        ]["result"]
-        if result and float(result[0]["value"][1]) >= 5:
+        if scrapes("phasescope_requests_in_flight") >= 5 and scrapes("phasescope_requests_rejected_total") >= 2:
             break
         time.sleep(0.5)
     return instance
