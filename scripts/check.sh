@@ -20,7 +20,14 @@ step "import-linter (layering contracts in pyproject.toml)"
 mypy_log=$(mktemp)
 "$BIN/mypy" >"$mypy_log" 2>&1 &
 mypy_pid=$!
-trap 'kill "$mypy_pid" 2>/dev/null || true; rm -f "$mypy_log"' EXIT
+# On a fresh machine the engine tests' models are prepared beside them too (the default model from its GGUF file,
+# about 30 s of one core, and the tiny random-weight model): otherwise the first server waits for that, and every
+# other server behind its lock. Where they are cached this takes a second.
+models_log=$(mktemp)
+{ "$BIN/phasescope" prepare-model && "$BIN/python" -c \
+    'from phasescope.bench.tiny_model import ensure_tiny_model; print(ensure_tiny_model())'; } >"$models_log" 2>&1 &
+models_pid=$!
+trap 'kill "$mypy_pid" "$models_pid" 2>/dev/null || true; rm -f "$mypy_log" "$models_log"' EXIT
 step "unit tests (no engine), with mypy --strict beside them"
 units=0
 "$BIN/pytest" tests/unit -q || units=$?
@@ -29,6 +36,13 @@ wait "$mypy_pid" || typed=$?
 step "mypy --strict"
 cat "$mypy_log"
 if ((units || typed)); then
+    exit 1
+fi
+step "the models the engine tests serve (prepared beside the fast lane)"
+prepared=0
+wait "$models_pid" || prepared=$?
+cat "$models_log"
+if ((prepared)); then
     exit 1
 fi
 step "engine-package and integration tests (vLLM and PyTorch; real engine, real servers)"
