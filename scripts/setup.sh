@@ -38,7 +38,7 @@ fi
 sources=(--index-strategy unsafe-best-match)
 while IFS= read -r line; do
     key=${line%%=*} value=${line#*=}
-    value=${value#\'} value=${value%\'}
+    value=${value#\'} value=${value%\'} value=${value//\\n/ } # pip prints a value's line breaks as \n
     case "${key##*.}" in
         index-url | extra-index-url | find-links) for each in $value; do sources+=("--${key##*.}" "$each"); done ;;
         constraint) for each in $value; do sources+=(--constraints "$each"); done ;;
