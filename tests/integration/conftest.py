@@ -44,8 +44,11 @@ class Servers:
     each: scripts/check.sh).
 
     A module's servers are told to stop when it ends, and the next module starts at once: a thread waits for them
-    to exit (and kills one that hangs) while the next module's servers start. Their shutdown is seconds of a
-    worker's wall time that needs little CPU. The session's end waits for every one.
+    to exit (and kills one that hangs) while the next module's tests run on the servers already up. Their shutdown
+    is seconds of a worker's wall time that needs little CPU. A new server starts only once they are gone, so a
+    worker never holds more servers' memory than before (two workers' engines at once are most of this machine's
+    24 GiB: the kernel's OOM killer took a server when the next module's started beside the last one's). The
+    session's end waits for every one.
     """
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
@@ -57,6 +60,7 @@ class Servers:
     def start(
         self, *extra_args: str, wait: bool = True, env: dict[str, str] | None = None, shared: bool = False
     ) -> ServerProcess:
+        self._wait_stopped()
         log = self._tmp_path_factory.mktemp("server") / "serve.log"
         server = ServerProcess(log, tuple(extra_args), env)
         (self._session if shared else self._module).append(server)
@@ -76,8 +80,11 @@ class Servers:
     def stop_all(self) -> None:
         self._stop(self._module)
         self._stop(self._session)
-        for waiting in self._stopping:
-            waiting.join()
+        self._wait_stopped()
+
+    def _wait_stopped(self) -> None:
+        while self._stopping:
+            self._stopping.pop().join()
 
     @staticmethod
     def _stop(servers: list[ServerProcess]) -> None:
