@@ -46,9 +46,8 @@ class Servers:
     A module's servers are told to stop when it ends, and the next module starts at once: a thread waits for them
     to exit (and kills one that hangs) while the next module's tests run on the servers already up. Their shutdown
     is seconds of a worker's wall time that needs little CPU. A new server starts only once they are gone, so a
-    worker never holds more servers' memory than before (two workers' engines at once are most of this machine's
-    24 GiB: the kernel's OOM killer took a server when the next module's started beside the last one's). The
-    session's end waits for every one.
+    worker never holds more servers' memory at once than when each module waited for its own (two workers' servers
+    take up to 16 GB of this machine's 24). The session's end waits for every one.
     """
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
