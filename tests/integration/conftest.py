@@ -47,7 +47,7 @@ class Servers:
     to exit (and kills one that hangs) while the next module's tests run on the servers already up. Their shutdown
     is seconds of a worker's wall time that needs little CPU. A new server starts only once they are gone, so a
     worker never holds more servers' memory at once than when each module waited for its own (two workers' servers
-    take up to 16 GB of this machine's 24). The session's end waits for every one.
+    used up to 19 GB of this machine's 24 in a run). The session's end waits for every one.
     """
 
     def __init__(self, tmp_path_factory: pytest.TempPathFactory) -> None:
