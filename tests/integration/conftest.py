@@ -21,9 +21,9 @@ from support.servers import SHARED_CONTEXT, ServerProcess
 # The modules that take longest, longest first (from `--durations`): with two workers each taking the next module
 # as it finishes one (scripts/check.sh), the long ones start early and the short ones fill in around them.
 LONGEST_FIRST = (
-    "test_engine_survives", "test_gateway", "test_disaggregation", "test_speculative", "test_loadtests",
-    "test_engine_side_telemetry", "test_kv_transfer", "test_data_parallel", "test_capacity",
-    "test_telemetry_under_load", "test_lifecycle", "test_prometheus_live",
+    "test_engine_survives", "test_gateway", "test_disaggregation", "test_loadtests", "test_speculative",
+    "test_engine_side_telemetry", "test_data_parallel", "test_capacity", "test_lifecycle",
+    "test_telemetry_under_load", "test_kv_transfer", "test_adapters", "test_access_control",
 )  # fmt: skip
 
 
