@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import cProfile
+import gc
 import pstats
 import random
 import statistics
@@ -184,6 +185,7 @@ def replay(path: Path, repeats: int, profile: int) -> None:
     run()
     took = []
     for _ in range(repeats):
+        gc.collect()  # each replay starts from the same heap: a full collection inside one would swamp its figure
         started = time.thread_time()
         run()
         took.append(time.thread_time() - started)

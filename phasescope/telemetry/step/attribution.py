@@ -239,6 +239,14 @@ class StepAttributor:
         context = decode_context_tokens(step) * sequences / max(1, step.decode_requests)
         return draft_work(drafter, sequences, context)
 
+    def _verify(self, step: StepRecord) -> tuple[float, float, float]:
+        """(FLOPs, bytes read, bytes written) of a decode-only step of the same positions (`speculation.verify_work`):
+        what the decode of a mixed step pays, and what a verify step's drafts are judged by."""
+        verify = verify_work(
+            self.cost, step.decode_tokens, decode_context_tokens(step), self._decode_attention_pairs(step)
+        )
+        return verify.flops, verify.read_bytes, verify.written_bytes
+
     def _plain_decode_seconds(self, step: StepRecord) -> float:
         """The roofline's time for a decode step of the same sequences without drafts."""
         plain = decode_work(self.cost, step.decode_requests, decode_context_tokens(step))
@@ -280,14 +288,11 @@ class StepAttributor:
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total), and its drafter's work; the chunk
         # pays the rest, everything it adds (its KV, its activations).
-        verify = verify_work(
-            self.cost, step.decode_tokens, decode_context_tokens(step), self._decode_attention_pairs(step)
-        )
-        verify_flops, verify_read, verify_written = verify.flops, verify.read_bytes, verify.written_bytes
         if kind == "decode":
             decode_flops, decode_read, decode_written = flops, read_bytes, written_bytes
             decode_seconds = step.elapsed_seconds
         else:
+            verify_flops, verify_read, verify_written = self._verify(step)
             decode_flops = min(flops, verify_flops + drafter_flops + adapters.decode_flops)
             decode_read = min(read_bytes, verify_read + drafter_bytes + adapters.decode_bytes)
             decode_written = min(written_bytes, verify_written)
@@ -323,6 +328,7 @@ class StepAttributor:
         shares = {"prefill": prefill, "decode": decode}
         if speculative is None:
             return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, adapters=adapters)
+        verify_flops, verify_read, verify_written = self._verify(step)
         verify_seconds = self._roofline_seconds(verify_flops, verify_read + verify_written)
         drafter_roofline_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
         useful = useful_flops(verify_flops, step.decode_tokens, emitted)
