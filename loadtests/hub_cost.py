@@ -1,14 +1,14 @@
 """What phasescope's telemetry hub costs for the engine's reports, on its own: an engine core's reports captured
 behind smg's bare Rust request path, then replayed through the hub's aggregation and series on one thread.
 
-    .venv/bin/python -m loadtests.hub_cost capture --output /tmp/reports.bin --seconds 10 --concurrency 64
-    .venv/bin/python -m loadtests.hub_cost replay /tmp/reports.bin --repeats 5 --profile 25
+    .venv/bin/python -m loadtests.hub_cost capture --output /tmp/reports.bin --requests 640 --concurrency 64
+    .venv/bin/python -m loadtests.hub_cost replay /tmp/reports.bin --repeats 9 --profile 25
 
-`capture` starts the bare Rust worker (`phasescope.bench.rust_worker`) over the tiny random-weight model with
+`capture` starts the bench's bare Rust worker (`phasescope bench`'s `vllm-rust` on its tiny-model settings) with
 phasescope's scheduler in its engine core (`--scheduler-cls`, `--enable-mfu-metrics`) publishing to a socket of
-this process, drives `--concurrency` streams of 30-token prompts × 128 tokens (token ids, `ignore_eos`) for
-`--seconds` after as long a warm-up, stops the worker, and writes every message its core published (a 4-byte
-little-endian length, then the message as the hub receives it).
+this process, runs the bench's closed loop over it (`--requests` of 30 prompt tokens and 128 output tokens at
+`--concurrency`, after as many to warm up), stops the worker, and writes every message its core published (a
+4-byte little-endian length, then the message as the hub receives it).
 
 `replay` wires a hub's telemetry (`phasescope.serve.hub.HubTelemetry`: the step aggregator, the step and request
 series, the live latencies) from the captured facts, judged against fixed peaks (no probe), and hands it each
@@ -25,21 +25,16 @@ import asyncio
 import cProfile
 import gc
 import pstats
-import random
 import statistics
 import struct
-import sys
 import tempfile
 import threading
 import time
-import uuid
 from pathlib import Path
-from typing import Any
 
 import zmq
 
-from phasescope.bench.harness import ManagedProcess, free_port, health_status
-from phasescope.environment import TELEMETRY_ENDPOINT
+from phasescope.environment import export_telemetry_endpoint
 from phasescope.telemetry.step.records import StepReport
 from phasescope.telemetry.step.transport import ReportBatch, decode
 
@@ -66,37 +61,11 @@ def write_messages(path: Path, messages: list[bytes]) -> None:
             out.write(message)
 
 
-async def drive(address: str, seconds: float, concurrency: int) -> int:
-    """`concurrency` closed-loop streams for `seconds`; the output tokens they received."""
-    import grpc
-    from smg_grpc_proto.generated import vllm_engine_pb2 as pb
-    from smg_grpc_proto.generated import vllm_engine_pb2_grpc as vllm_grpc
-
-    received = 0
-    end = time.monotonic() + seconds
-    async with grpc.aio.insecure_channel(address) as channel:
-        stub: Any = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # no stubs
-
-        async def stream(seed: int) -> None:
-            nonlocal received
-            rng = random.Random(seed)
-            while time.monotonic() < end:
-                request = pb.GenerateRequest(
-                    request_id=f"hub-cost-{uuid.uuid4().hex}",
-                    tokenized=pb.TokenizedInput(input_ids=[rng.randrange(100, 1000) for _ in range(PROMPT_TOKENS)]),
-                    sampling_params=pb.SamplingParams(max_tokens=OUTPUT_TOKENS, temperature=0.0, ignore_eos=True),
-                    stream=True,
-                )
-                async for response in stub.Generate(request, timeout=600):
-                    if response.HasField("chunk"):
-                        received += len(response.chunk.token_ids)
-
-        await asyncio.gather(*(stream(seed) for seed in range(concurrency)))
-    return received
-
-
-def capture(output: Path, seconds: float, concurrency: int) -> None:
+def capture(output: Path, requests: int, concurrency: int) -> None:
+    from phasescope.bench.launch import EngineSettings, start_vllm_rust
+    from phasescope.bench.loop import run_point
     from phasescope.bench.tiny_model import TINY_MODEL_NAME, ensure_tiny_model
+    from phasescope.bench.workload import LengthDistribution, RequestRecord, WorkloadSpec, workload
     from phasescope.engine.vllm import TELEMETRY_SCHEDULER
 
     messages: list[bytes] = []
@@ -104,7 +73,8 @@ def capture(output: Path, seconds: float, concurrency: int) -> None:
     context = zmq.Context()
     socket = context.socket(zmq.PULL)
     folder = Path(tempfile.mkdtemp(prefix="hub-cost-"))
-    socket.bind(f"ipc://{folder / 'steps'}")
+    endpoint = f"ipc://{folder / 'steps'}"
+    socket.bind(endpoint)
 
     def receive() -> None:
         while not closing.is_set() or socket.poll(0):
@@ -113,32 +83,43 @@ def capture(output: Path, seconds: float, concurrency: int) -> None:
 
     receiver = threading.Thread(target=receive, name="hub-cost-capture")
     receiver.start()
-    port = free_port()
-    events = f'{{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://127.0.0.1:{free_port()}"}}'
-    command = [
-        sys.executable, "-m", "phasescope.bench.rust_worker", "--model", str(ensure_tiny_model()),
-        "--served-model-name", TINY_MODEL_NAME, "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
-        "--max-num-seqs", "128", "--kv-cache-memory-bytes", str(2 * 2**30), "--host", "127.0.0.1", "--port",
-        str(port), "--kv-events-config", events, "--scheduler-cls", TELEMETRY_SCHEDULER, "--enable-mfu-metrics",
-    ]  # fmt: skip
-    env = {TELEMETRY_ENDPOINT: f"ipc://{folder / 'steps'}", "VLLM_LOGGING_LEVEL": "WARNING"}
-    worker = ManagedProcess(command, folder / "worker.log", env=env)
-    address = f"127.0.0.1:{port}"
-    try:
+    export_telemetry_endpoint(endpoint)  # the worker's engine core inherits it
+    # The bench's engine settings for the tiny model (`phasescope bench --tiny-model`), its workload and closed loop.
+    settings = EngineSettings(str(ensure_tiny_model()), TINY_MODEL_NAME, "float32", 1024, 2.0, 128)
+    spec = WorkloadSpec(LengthDistribution("fixed", PROMPT_TOKENS), LengthDistribution("fixed", OUTPUT_TOKENS))
+
+    async def load() -> list[RequestRecord]:
+        """The worker started (its target's channel on this loop), a warm-up and the run; both runs' records."""
         print("starting the bare Rust worker (the tiny model, phasescope's scheduler) ...", flush=True)
-        worker.wait_until(lambda: health_status(address, "") == "SERVING", "the Rust worker")
-        print(f"warming up for {seconds:.0f} s, then {seconds:.0f} s of {concurrency} streams ...", flush=True)
-        asyncio.run(drive(address, seconds, concurrency))
-        received = asyncio.run(drive(address, seconds, concurrency))
-        print(f"{received} output tokens received in the measured {seconds:.0f} s", flush=True)
+        worker, target = start_vllm_rust(
+            settings, folder, extra_args=("--scheduler-cls", TELEMETRY_SCHEDULER, "--enable-mfu-metrics")
+        )
+        records: list[RequestRecord] = []
+        try:
+            for seed in (1, 2):
+                run, _ = await run_point(
+                    target, workload(spec, seed, requests), concurrency=concurrency, rate=None, seed=seed,
+                    progress=lambda: None,
+                )  # fmt: skip
+                records.extend(run)
+            return records
+        finally:
+            await target.close()
+            worker.stop()
+
+    try:
+        records = asyncio.run(load())
     finally:
-        worker.stop()
         closing.set()
         receiver.join()
         socket.close(linger=0)
         context.term()
+    failed = [record.error for record in records if record.error]
+    if failed:
+        raise SystemExit(f"{len(failed)} of {len(records)} requests failed, the first: {failed[0]}")
+    print(f"{sum(record.output_tokens for record in records)} output tokens, half of them the warm-up's")
     write_messages(output, messages)
-    print(f"{len(messages)} messages written to {output} (the worker's log: {worker.log_path})")
+    print(f"{len(messages)} messages written to {output} (the worker's log is in {folder})")
 
 
 def replay(path: Path, repeats: int, profile: int) -> None:
@@ -156,6 +137,8 @@ def replay(path: Path, repeats: int, profile: int) -> None:
         raise SystemExit(f"{path}: no message carries the engine core's facts (capture from the worker's start)")
     reports = sum(len(batch.reports) for batch in batches)
     tokens = sum(r.iteration.emitted_tokens for batch in batches for r in batch.reports if r.iteration is not None)
+    if not tokens:
+        raise SystemExit(f"{path}: its reports carry no output token (did the capture's requests fail?)")
     finished = sum(len(r.finished) for batch in batches for r in batch.reports)
 
     async def wired() -> HubTelemetry:
@@ -208,7 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     commands = parser.add_subparsers(dest="command", required=True)
     taking = commands.add_parser("capture", help="an engine core's reports behind the bare Rust worker, to a file")
     taking.add_argument("--output", type=Path, required=True)
-    taking.add_argument("--seconds", type=float, default=10.0, help="of measured load (and as long a warm-up)")
+    taking.add_argument("--requests", type=int, default=640, help="measured (and as many to warm up first)")
     taking.add_argument("--concurrency", type=int, default=64)
     replaying = commands.add_parser("replay", help="a capture through the hub's aggregation and series")
     replaying.add_argument("capture", type=Path)
@@ -216,7 +199,7 @@ def main(argv: list[str] | None = None) -> None:
     replaying.add_argument("--profile", type=int, default=0, help="print cProfile's N costliest functions")
     args = parser.parse_args(argv)
     if args.command == "capture":
-        capture(args.output, args.seconds, args.concurrency)
+        capture(args.output, args.requests, args.concurrency)
     else:
         replay(args.capture, args.repeats, args.profile)
 

@@ -146,17 +146,17 @@ def start_vllm_grpc(
 
 
 def start_vllm_rust(
-    settings: EngineSettings, out: Path, api: str = "prompt"
+    settings: EngineSettings, out: Path, api: str = "prompt", extra_args: tuple[str, ...] = ()
 ) -> tuple[ManagedProcess, VllmEngineTarget]:
     """vLLM's gRPC worker with smg's Rust request path (`phasescope.bench.rust_worker`: smg-grpc-servicer's
-    `serve_rust`, vLLM's own scheduler) on the engine settings of `start_vllm_grpc`; ready once its
-    grpc.health.v1 says SERVING."""
+    `serve_rust`, vLLM's own scheduler unless `extra_args` name another) on the engine settings of
+    `start_vllm_grpc`, and `extra_args` (vLLM's engine arguments); ready once its grpc.health.v1 says SERVING."""
     # smg's servicer would publish KV events at vLLM's fixed default port, which phasescope's Rust mode on the
     # same host may hold: a free port of its own (vLLM's default shape otherwise).
     events = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://127.0.0.1:{free_port()}"}
     return _start_vllm_worker(
         settings, out, api, "vllm-rust", "phasescope.bench.rust_worker", health_service="",
-        extra_args=("--kv-events-config", json.dumps(events)),
+        extra_args=("--kv-events-config", json.dumps(events), *extra_args),
     )  # fmt: skip
 
 
