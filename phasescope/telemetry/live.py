@@ -11,7 +11,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,32 +49,41 @@ class LatencyFigures:
 
 
 class _Recent:
-    """(time, values) of one figure, dropped after `horizon` seconds or beyond the cap (`MAX_OBSERVATIONS`
-    values, the oldest first). Kept as one entry per report: an engine step's inter-token gaps cost one
-    tuple, not one per gap."""
+    """(time, values, counts) of one figure, dropped after `horizon` seconds or beyond the cap (`MAX_OBSERVATIONS`
+    values, the oldest first). Kept as one entry per report: an engine step's inter-token gaps cost one entry, each
+    distinct gap once with how many requests had it, not one per gap."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock
-        self._batches: deque[tuple[float, tuple[float, ...]]] = deque()
+        self._batches: deque[tuple[float, Sequence[float], Sequence[int] | None, int]] = deque()
         self._count = 0
 
     def add(self, value: float) -> None:
         self.extend((value,))
 
-    def extend(self, values: Iterable[float], at: float | None = None) -> None:
-        """Values observed at `at` (None: now), on this keeper's clock."""
-        batch = tuple(values)
-        if not batch:
+    def extend(self, values: Sequence[float], at: float | None = None, counts: Sequence[int] | None = None) -> None:
+        """Values observed at `at` (None: now), on this keeper's clock, each `counts` times (None: once)."""
+        if not values:
             return
-        self._batches.append((self._clock() if at is None else at, batch))
-        self._count += len(batch)
+        size = sum(counts) if counts is not None else len(values)
+        self._batches.append((self._clock() if at is None else at, values, counts, size))
+        self._count += size
         while self._count > MAX_OBSERVATIONS:
-            self._count -= len(self._batches.popleft()[1])
+            self._count -= self._batches.popleft()[3]
 
     def since(self, start: float) -> list[float]:
         while self._batches and self._batches[0][0] < start - 60.0:
-            self._count -= len(self._batches.popleft()[1])  # older than any window a live view asks for
-        return [value for at, batch in self._batches if at >= start for value in batch]
+            self._count -= self._batches.popleft()[3]  # older than any window a live view asks for
+        kept: list[float] = []
+        for at, values, counts, _ in self._batches:
+            if at < start:
+                continue
+            if counts is None:
+                kept.extend(values)
+            else:
+                for value, count in zip(values, counts, strict=True):
+                    kept.extend([value] * count)
+        return kept
 
 
 class RecentLatencies(StepSink):
@@ -129,7 +138,7 @@ class RecentLatencies(StepSink):
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
         """The engine's inter-token gaps of one output batch, reported at `at` (None: now)."""
         with self._lock:
-            self._itl.extend(iteration.inter_token_seconds, at)
+            self._itl.extend(iteration.inter_token_seconds, at, iteration.gap_counts())
 
     def figures(self, window_seconds: float) -> LatencyFigures:
         """The latencies of the last `window_seconds` (what the telemetry pipeline holds is not in them: its

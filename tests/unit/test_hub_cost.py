@@ -20,7 +20,7 @@ from support.engine_facts import tiny_engine_facts
 
 def decode_step(tokens: int) -> StepReport:
     return StepReport(
-        iteration=EngineIteration(0, [0.01] * (tokens - 1), 0, tokens),
+        iteration=EngineIteration(0, (0.01,), 0, tokens, inter_token_counts=(tokens - 1,)),
         scheduler=SchedulerState(0, tokens, 0, 0.1),
         step=StepRecord(0, 0, 0, tokens, tokens, 0.01, 1e6, 1e6, 1e3, 100),
     )

@@ -244,7 +244,7 @@ class CoreTelemetry:
     def _outputs(self, outputs: dict[int, Any]) -> tuple[EngineIteration | None, list[EngineRequestRecord]]:
         """The output batch's gaps, preemptions and tokens, and the requests it finished (as vLLM's front end
         derives them from the same outputs: `IterationStats.update_from_output`)."""
-        gaps: list[float] = []
+        gaps: dict[float, int] = {}  # each distinct gap, and how many requests had it
         preemptions = emitted = 0
         finished: list[EngineRequestRecord] = []
         requests = self._requests
@@ -262,7 +262,8 @@ class CoreTelemetry:
                     emitted += tokens
                     state.output_tokens += tokens
                     if state.first_token:
-                        gaps.append(at - state.last_token)
+                        gap = at - state.last_token
+                        gaps[gap] = gaps.get(gap, 0) + 1
                     else:
                         state.first_token = at
                         if output.prefill_stats is not None:  # the prompt's computed and cached tokens
@@ -274,7 +275,11 @@ class CoreTelemetry:
         if not gaps and not preemptions and not emitted:
             return None, finished
         iteration = EngineIteration(
-            engine=self.engine, inter_token_seconds=gaps, preemptions=preemptions, emitted_tokens=emitted
+            engine=self.engine,
+            inter_token_seconds=tuple(gaps),
+            preemptions=preemptions,
+            emitted_tokens=emitted,
+            inter_token_counts=tuple(gaps.values()),
         )
         return iteration, finished
 

@@ -17,7 +17,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from phasescope.telemetry.children import Children, CounterSeries, SumCounter
-from phasescope.telemetry.histograms import observe_all
+from phasescope.telemetry.histograms import observe_counted
 from phasescope.telemetry.step.aggregator import EngineView, StepAggregator, StepSink
 from phasescope.telemetry.step.attribution import StepCost
 from phasescope.telemetry.step.records import STEP_KINDS, EngineIteration, PublisherHealth, SchedulerState, StepRecord
@@ -254,8 +254,8 @@ class StepMetrics(StepSink, Collector):
             counter.inc(now - before if now >= before else now, *labels)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
-        # A step's gaps observed together (one per running request).
-        observe_all(self._inter_token, iteration.inter_token_seconds)
+        # A step's gaps observed together (each distinct gap with how many requests had it).
+        observe_counted(self._inter_token, iteration.inter_token_seconds, iteration.gap_counts())
         if iteration.preemptions:
             self.preemptions.inc(iteration.preemptions, self._model, str(iteration.engine))
 

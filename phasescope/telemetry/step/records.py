@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from phasescope.telemetry.model.cost import ModelCost
@@ -87,11 +87,19 @@ class EngineIteration:
     """Per-output-batch facts the engine's front end computed (vLLM's IterationStats)."""
 
     engine: int
-    inter_token_seconds: Sequence[float]
-    """Every gap between a request's consecutive output tokens in this batch, on the engine core's clock."""
+    inter_token_seconds: tuple[float, ...]
+    """The gaps between a request's consecutive output tokens in this batch, on the engine core's clock: each
+    distinct gap once, with how many requests had it in `inter_token_counts` (most of a step's requests got their
+    previous token from the same earlier step, so a decode step's gaps are one or two values)."""
     preemptions: int
     emitted_tokens: int = 0
     """Output tokens the batch carried to the requests (every sample's)."""
+    inter_token_counts: tuple[int, ...] = ()
+    """How many gaps had each of `inter_token_seconds`' values; empty: one each."""
+
+    def gap_counts(self) -> tuple[int, ...]:
+        """How many gaps had each of `inter_token_seconds`' values."""
+        return self.inter_token_counts or (1,) * len(self.inter_token_seconds)
 
 
 @dataclass(frozen=True, slots=True)

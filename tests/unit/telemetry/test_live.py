@@ -32,9 +32,9 @@ def test_an_empty_window_reports_zero() -> None:
 def test_the_window_keeps_only_its_last_seconds() -> None:
     clock = Clock()
     recent = RecentLatencies(clock)
-    recent.iteration(EngineIteration(0, [5.0], 0))
+    recent.iteration(EngineIteration(0, (5.0,), 0))
     clock.now += 20.0
-    recent.iteration(EngineIteration(0, [0.4, 0.1, 0.3, 0.2], 0))
+    recent.iteration(EngineIteration(0, (0.4, 0.1, 0.3, 0.2), 0))
     figures = recent.figures(window_seconds=10.0)
     assert figures.inter_token_samples == 4
     assert figures.inter_token_p50 == pytest.approx(0.25)
@@ -49,10 +49,10 @@ def test_a_busy_engine_keeps_at_most_the_cap_of_inter_token_gaps_dropping_the_ol
     monkeypatch.setattr(live, "MAX_OBSERVATIONS", 10)
     clock = Clock()
     recent = RecentLatencies(clock)
-    recent.iteration(EngineIteration(0, [9.0] * 6, 0))  # the oldest step's gaps: dropped whole
-    recent.iteration(EngineIteration(0, [], 0))  # a step with no decode keeps nothing
-    recent.iteration(EngineIteration(0, [1.0] * 4, 0))
-    recent.iteration(EngineIteration(0, [2.0] * 4, 0))
+    recent.iteration(EngineIteration(0, (9.0,), 0, inter_token_counts=(6,)))  # the oldest step's gaps: dropped whole
+    recent.iteration(EngineIteration(0, (), 0))  # a step with no decode keeps nothing
+    recent.iteration(EngineIteration(0, (1.0,), 0, inter_token_counts=(4,)))
+    recent.iteration(EngineIteration(0, (2.0, 3.0), 0, inter_token_counts=(3, 1)))
     figures = recent.figures(window_seconds=10.0)
     assert figures.inter_token_samples == 8
-    assert figures.inter_token_p99 == pytest.approx(2.0)
+    assert figures.inter_token_p99 == pytest.approx(2.93)  # 1, 1, 1, 1, 2, 2, 2, 3

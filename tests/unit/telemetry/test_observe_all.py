@@ -1,12 +1,14 @@
-"""observe_all: a histogram fed a held batch at once reads as one observe() per amount, in order."""
+"""observe_all: a histogram fed a held batch at once reads as one observe() per amount, in order; observe_counted:
+each distinct amount with its count reads as that many observe() calls."""
 
 import math
 import random
 
+import pytest
 from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.exposition import generate_latest
 
-from phasescope.telemetry.histograms import observe_all
+from phasescope.telemetry.histograms import observe_all, observe_counted
 
 BUCKETS = (0.01, 0.025, 0.05, 0.1)
 
@@ -87,3 +89,42 @@ def test_the_sum_is_the_same_to_the_bit() -> None:
         each.observe(amount)
     observe_all(batch, amounts)
     assert samples(all_at_once)[("latency_seconds_sum", "")] == samples(one_by_one)[("latency_seconds_sum", "")]
+
+
+def test_each_distinct_gap_with_its_count_reads_as_that_many_observations() -> None:
+    # An engine step's inter-token gaps come as each distinct gap and how many requests had it: on the bounds,
+    # between them, beyond the last, below the first, and NaN, which observe() puts in no bucket.
+    rng = random.Random(5)
+    amounts = [rng.uniform(0.0, 1.2) for _ in range(200)]
+    amounts += [*BOUNDS, math.inf, -0.5, 0.0, math.nan, math.nextafter(0.01, 1.0), math.nextafter(0.01, 0.0)]
+    counts = [rng.randint(1, 64) for _ in amounts]
+    one_by_one, counted = CollectorRegistry(), CollectorRegistry()
+    each, batch = histogram(one_by_one), histogram(counted)
+    for amount, count in zip(amounts, counts, strict=True):
+        for _ in range(count):
+            each.observe(amount)
+    observe_counted(batch, amounts[:100], counts[:100])
+    observe_counted(batch, amounts[100:], counts[100:])
+    observe_counted(batch, [], [])
+    expected, got = samples(one_by_one), samples(counted)
+    assert math.isnan(got.pop(("latency_seconds_sum", "")))
+    assert math.isnan(expected.pop(("latency_seconds_sum", "")))
+    assert got == expected
+    # Every amount's count but NaN's, which observe() puts in no bucket.
+    assert got[("latency_seconds_count", "")] == sum(counts) - counts[amounts.index(math.nan)]
+
+
+def test_the_counted_sum_agrees_to_rounding() -> None:
+    rng = random.Random(13)
+    amounts = [rng.lognormvariate(-4.0, 1.0) for _ in range(300)]
+    counts = [rng.randint(1, 128) for _ in amounts]
+    one_by_one, counted = CollectorRegistry(), CollectorRegistry()
+    each, batch = histogram(one_by_one), histogram(counted)
+    for amount, count in zip(amounts, counts, strict=True):
+        for _ in range(count):
+            each.observe(amount)
+    observe_counted(batch, amounts, counts)
+    assert samples(counted)[("latency_seconds_sum", "")] == pytest.approx(
+        samples(one_by_one)[("latency_seconds_sum", "")], rel=1e-12
+    )
+    assert samples(counted)[("latency_seconds_count", "")] == sum(counts)

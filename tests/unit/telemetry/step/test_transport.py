@@ -33,7 +33,7 @@ from support.engine_facts import tiny_engine_facts
 
 def report(engine: int, decode_tokens: int = 4) -> StepReport:
     return StepReport(
-        iteration=EngineIteration(engine, [0.01, 0.02], 1),
+        iteration=EngineIteration(engine, (0.01, 0.02), 1, inter_token_counts=(3, 1)),
         scheduler=SchedulerState(engine, 4, 2, 0.5, 1, "slot"),
         step=StepRecord(
             engine, 1, 30, decode_tokens, decode_tokens, 0.02, 1e9, 2e8, 1e6, 800, SpeculativeStep(2, 6, 3, (2, 1, 0))
