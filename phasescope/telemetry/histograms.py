@@ -68,8 +68,8 @@ def observe_all(histogram: Histogram, amounts: Sequence[float]) -> None:
 def observe_counted(histogram: Histogram, amounts: Sequence[float], counts: Sequence[int]) -> None:
     """`histogram.observe(amount)` `count` times for each of `amounts` and its count in `counts`: each bucket's
     count as those calls leave it, and the sum up to rounding (each amount × its count is added once, in order),
-    under no lock per amount. For an engine step's inter-token gaps, sent as each distinct gap and how many
-    requests had it (`records.EngineIteration`). The same reading of prometheus-client's layout as `observe_all`."""
+    under no lock per amount. For an engine step's inter-token gaps, sent as runs of requests with one gap and the
+    runs' lengths (`records.EngineIteration`). The same reading of prometheus-client's layout as `observe_all`."""
     if not amounts:
         return
     histogram._raise_if_not_observable()  # type: ignore[no-untyped-call]  # a labelled child, as observe() checks

@@ -51,7 +51,7 @@ class LatencyFigures:
 class _Recent:
     """(time, values, counts) of one figure, dropped after `horizon` seconds or beyond the cap (`MAX_OBSERVATIONS`
     values, the oldest first). Kept as one entry per report: an engine step's inter-token gaps cost one entry, each
-    distinct gap once with how many requests had it, not one per gap."""
+    run of requests with one gap once with its length, not one per gap."""
 
     def __init__(self, clock: Callable[[], float]) -> None:
         self._clock = clock

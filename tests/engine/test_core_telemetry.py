@@ -153,13 +153,36 @@ def test_inter_token_gaps_are_taken_on_the_output_batches_own_timestamps() -> No
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")], seconds=0.1)
     step(telemetry, clock, scheduled({"b": 30}, {"a": 1}), [output("a"), output("b")], seconds=0.05)
     step(telemetry, clock, scheduled({}, {"a": 1, "b": 1}), [output("a", finished=True), output("b")], seconds=0.02)
-    gaps = [report.iteration.inter_token_seconds for report in publisher.reports if report.iteration is not None]
-    assert [[round(gap, 9) for gap in step_gaps] for step_gaps in gaps] == [[], [0.05], [0.02, 0.02]]
+    assert gaps_of(publisher.reports) == [[], [0.05], [0.02, 0.02]]
     # A finished request is forgotten: the same id again is a new request, with no gap to the old one.
     step(telemetry, clock, scheduled({"a": 30}, {}), [output("a")])
     iteration = publisher.reports[-1].iteration
     assert iteration is not None
     assert list(iteration.inter_token_seconds) == []
+
+
+def gaps_of(reports: list[StepReport]) -> list[list[float]]:
+    """Each output batch's inter-token gaps, one per request (the reports carry each run's gap with its length)."""
+    gaps = []
+    for report in reports:
+        if report.iteration is not None:
+            iteration = report.iteration
+            runs = zip(iteration.inter_token_seconds, iteration.gap_counts(), strict=True)
+            gaps.append([round(gap, 9) for gap, count in runs for _ in range(count)])
+    return gaps
+
+
+def test_a_steps_gaps_go_as_runs_of_requests_whose_previous_tokens_came_together() -> None:
+    telemetry, publisher, clock = made()
+    step(telemetry, clock, scheduled({"a": 30, "b": 30, "c": 30}, {}), [output(r) for r in "abc"], seconds=0.1)
+    step(telemetry, clock, scheduled({}, {"a": 1, "c": 1}), [output("a"), output("c")], seconds=0.02)  # b skipped
+    step(telemetry, clock, scheduled({}, dict.fromkeys("abc", 1)), [output(r) for r in "acb"], seconds=0.03)
+    iteration = publisher.reports[-1].iteration
+    assert iteration is not None
+    # a and c got their previous tokens together: one run of two; b's came a step earlier.
+    assert [round(gap, 9) for gap in iteration.inter_token_seconds] == [0.03, 0.05]
+    assert iteration.inter_token_counts == (2, 1)
+    assert gaps_of(publisher.reports) == [[], [0.02, 0.02], [0.03, 0.03, 0.05]]
 
 
 def test_an_aborted_request_is_recorded_at_once_and_forgotten() -> None:

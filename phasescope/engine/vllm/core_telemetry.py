@@ -244,12 +244,16 @@ class CoreTelemetry:
     def _outputs(self, outputs: dict[int, Any]) -> tuple[EngineIteration | None, list[EngineRequestRecord]]:
         """The output batch's gaps, preemptions and tokens, and the requests it finished (as vLLM's front end
         derives them from the same outputs: `IterationStats.update_from_output`)."""
-        gaps: dict[float, int] = {}  # each distinct gap, and how many requests had it
+        # The gaps as runs of requests whose previous token came at the same time: each run's gap and length (a
+        # decode step's requests mostly form one run, counted without a float made per request).
+        gaps: list[float] = []
+        counts: list[int] = []
         preemptions = emitted = 0
         finished: list[EngineRequestRecord] = []
         requests = self._requests
         for batch in outputs.values():
             at = batch.timestamp
+            previous, run = 0.0, 0  # the run of requests whose previous token came at `previous`
             for output in batch.outputs:
                 request_id = output.request_id
                 state = requests.get(request_id)
@@ -262,8 +266,13 @@ class CoreTelemetry:
                     emitted += tokens
                     state.output_tokens += tokens
                     if state.first_token:
-                        gap = at - state.last_token
-                        gaps[gap] = gaps.get(gap, 0) + 1
+                        if state.last_token == previous:
+                            run += 1
+                        else:
+                            if run:
+                                gaps.append(at - previous)
+                                counts.append(run)
+                            previous, run = state.last_token, 1
                     else:
                         state.first_token = at
                         if output.prefill_stats is not None:  # the prompt's computed and cached tokens
@@ -272,6 +281,9 @@ class CoreTelemetry:
                 if output.finish_reason is not None:
                     del requests[request_id]
                     finished.append(state.record(request_id, self.engine, str(output.finish_reason)))
+            if run:
+                gaps.append(at - previous)
+                counts.append(run)
         if not gaps and not preemptions and not emitted:
             return None, finished
         iteration = EngineIteration(
@@ -279,7 +291,7 @@ class CoreTelemetry:
             inter_token_seconds=tuple(gaps),
             preemptions=preemptions,
             emitted_tokens=emitted,
-            inter_token_counts=tuple(gaps.values()),
+            inter_token_counts=tuple(counts),
         )
         return iteration, finished
 

@@ -254,7 +254,7 @@ class StepMetrics(StepSink, Collector):
             counter.inc(now - before if now >= before else now, *labels)
 
     def iteration(self, iteration: EngineIteration, at: float | None = None) -> None:
-        # A step's gaps observed together (each distinct gap with how many requests had it).
+        # A step's gaps observed together (each run of requests with one gap, and its length).
         observe_counted(self._inter_token, iteration.inter_token_seconds, iteration.gap_counts())
         if iteration.preemptions:
             self.preemptions.inc(iteration.preemptions, self._model, str(iteration.engine))

@@ -88,17 +88,18 @@ class EngineIteration:
 
     engine: int
     inter_token_seconds: tuple[float, ...]
-    """The gaps between a request's consecutive output tokens in this batch, on the engine core's clock: each
-    distinct gap once, with how many requests had it in `inter_token_counts` (most of a step's requests got their
-    previous token from the same earlier step, so a decode step's gaps are one or two values)."""
+    """The gaps between a request's consecutive output tokens in this batch, on the engine core's clock, as runs:
+    each run of requests whose previous tokens came together has its gap here once and its length in
+    `inter_token_counts` (a decode step's requests mostly got their previous token from the same earlier step: one
+    run)."""
     preemptions: int
     emitted_tokens: int = 0
     """Output tokens the batch carried to the requests (every sample's)."""
     inter_token_counts: tuple[int, ...] = ()
-    """How many gaps had each of `inter_token_seconds`' values; empty: one each."""
+    """How many requests had each of `inter_token_seconds`; empty: one each."""
 
     def gap_counts(self) -> tuple[int, ...]:
-        """How many gaps had each of `inter_token_seconds`' values."""
+        """How many requests had each of `inter_token_seconds`."""
         return self.inter_token_counts or (1,) * len(self.inter_token_seconds)
 
 

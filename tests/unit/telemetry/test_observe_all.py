@@ -92,7 +92,7 @@ def test_the_sum_is_the_same_to_the_bit() -> None:
 
 
 def test_each_distinct_gap_with_its_count_reads_as_that_many_observations() -> None:
-    # An engine step's inter-token gaps come as each distinct gap and how many requests had it: on the bounds,
+    # An engine step's inter-token gaps come as runs of one gap and their lengths: on the bounds,
     # between them, beyond the last, below the first, and NaN, which observe() puts in no bucket.
     rng = random.Random(5)
     amounts = [rng.uniform(0.0, 1.2) for _ in range(200)]
