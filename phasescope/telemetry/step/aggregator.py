@@ -114,27 +114,6 @@ class StepSink:
         """Requests the engine core saw end in a step (or aborted), as it recorded them."""
 
 
-class _SinkCalls:
-    """Each `StepSink` method of the sinks that define it, bound: a report calls only the sinks that do something
-    with its parts (most sinks take one or two of them)."""
-
-    __slots__ = ("iteration", "publisher", "queue", "requests_finished", "step")
-
-    def __init__(self, sinks: tuple[StepSink, ...]) -> None:
-        def defining(name: str) -> tuple[Callable[..., None], ...]:
-            return tuple(
-                getattr(sink, name) for sink in sinks if getattr(type(sink), name) is not getattr(StepSink, name)
-            )
-
-        self.step: tuple[Callable[[StepRecord, StepCost], None], ...] = defining("step")
-        self.iteration: tuple[Callable[[EngineIteration, float], None], ...] = defining("iteration")
-        self.queue: tuple[Callable[[SchedulerState], None], ...] = defining("queue")
-        self.publisher: tuple[Callable[[PublisherHealth], None], ...] = defining("publisher")
-        self.requests_finished: tuple[Callable[[tuple[EngineRequestRecord, ...]], None], ...] = defining(
-            "requests_finished"
-        )
-
-
 class StepAggregator:
     """The engines' steps against the device's peaks: the window, the ledger and the views.
 
@@ -176,10 +155,7 @@ class StepAggregator:
             engines, self.peak_memory_bandwidth_bytes_per_second, self.peak_flops, window_seconds, clock
         )
         self.interference = InterferenceLedger()
-        self._sinks: tuple[StepSink, ...] = ()
-        self._to_sinks = _SinkCalls(())
-        for sink in sinks:
-            self.add_sink(sink)
+        self._sinks: tuple[StepSink, ...] = tuple(sinks)
         self._attributor: StepAttributor | None = None
         self._clock = clock
         self._pipeline = pipeline
@@ -205,7 +181,6 @@ class StepAggregator:
 
     def add_sink(self, sink: StepSink) -> None:
         self._sinks = (*self._sinks, sink)
-        self._to_sinks = _SinkCalls(self._sinks)
 
     @property
     def peak_memory_bandwidth_bytes_per_second(self) -> float:
@@ -242,13 +217,12 @@ class StepAggregator:
             self._on_error("step", exc)
 
     def _aggregate_parts(self, report: StepReport, at: float) -> None:
-        sinks = self._to_sinks
         if report.iteration is not None:
             iteration = report.iteration
             if iteration.preemptions:
                 self.window.add_preemptions(iteration.engine, iteration.preemptions, at)
-            for iteration_to in sinks.iteration:
-                iteration_to(iteration, at)
+            for sink in self._sinks:
+                sink.iteration(iteration, at)
         if report.scheduler is not None:
             state = report.scheduler
             self.window.add_queue(
@@ -260,19 +234,19 @@ class StepAggregator:
                 at,
                 waiting_for_adapters=state.waiting_for_adapters,
             )
-            for queue_to in sinks.queue:
-                queue_to(state)
+            for sink in self._sinks:
+                sink.queue(state)
         if report.publisher is not None:
-            for publisher_to in sinks.publisher:
-                publisher_to(report.publisher)
+            for sink in self._sinks:
+                sink.publisher(report.publisher)
         if report.finished:
-            for requests_finished_to in sinks.requests_finished:
-                requests_finished_to(report.finished)
+            for sink in self._sinks:
+                sink.requests_finished(report.finished)
         if report.step is not None:
             cost = self._attribute(report.step)
             self.window.add(report.step, cost, at)
-            for step_to in sinks.step:
-                step_to(report.step, cost)
+            for sink in self._sinks:
+                sink.step(report.step, cost)
 
     def views(self) -> tuple[float, list[EngineView]]:
         """The window's length and, per engine, every figure with its verdicts, headroom and cost."""

@@ -287,12 +287,14 @@ class StepAttributor:
             return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, adapters=adapters)
         # Decode pays what a decode-only step of its batch would move: the weights once and
         # its own sequences' KV (by the cost model, at most the step's total), and its drafter's work; the chunk
-        # pays the rest, everything it adds (its KV, its activations).
+        # pays the rest, everything it adds (its KV, its activations). A decode-only step without drafts reads no
+        # verify figures: they are worked out only for a mixed step or a verify step, once.
+        if kind == "mixed" or speculative is not None:
+            verify_flops, verify_read, verify_written = self._verify(step)
         if kind == "decode":
             decode_flops, decode_read, decode_written = flops, read_bytes, written_bytes
             decode_seconds = step.elapsed_seconds
         else:
-            verify_flops, verify_read, verify_written = self._verify(step)
             decode_flops = min(flops, verify_flops + drafter_flops + adapters.decode_flops)
             decode_read = min(read_bytes, verify_read + drafter_bytes + adapters.decode_bytes)
             decode_written = min(written_bytes, verify_written)
@@ -328,7 +330,6 @@ class StepAttributor:
         shares = {"prefill": prefill, "decode": decode}
         if speculative is None:
             return StepCost(flops, read_bytes, written_bytes, model_flops, model_read, shares, adapters=adapters)
-        verify_flops, verify_read, verify_written = self._verify(step)
         verify_seconds = self._roofline_seconds(verify_flops, verify_read + verify_written)
         drafter_roofline_seconds = self._roofline_seconds(drafter_flops, drafter_bytes)
         useful = useful_flops(verify_flops, step.decode_tokens, emitted)

@@ -91,6 +91,22 @@ def test_the_sum_is_the_same_to_the_bit() -> None:
     assert samples(all_at_once)[("latency_seconds_sum", "")] == samples(one_by_one)[("latency_seconds_sum", "")]
 
 
+def each_and_counted(
+    amounts: list[float], counts: list[int], split: int
+) -> tuple[dict[tuple[str, str], float], dict[tuple[str, str], float]]:
+    """The samples of a histogram observed `count` times per amount, one by one, and of one fed the amounts with
+    their counts by `observe_counted` in two parts (at `split`) and an empty one."""
+    one_by_one, counted = CollectorRegistry(), CollectorRegistry()
+    each, batch = histogram(one_by_one), histogram(counted)
+    for amount, count in zip(amounts, counts, strict=True):
+        for _ in range(count):
+            each.observe(amount)
+    observe_counted(batch, amounts[:split], counts[:split])
+    observe_counted(batch, amounts[split:], counts[split:])
+    observe_counted(batch, [], [])
+    return samples(one_by_one), samples(counted)
+
+
 def test_each_distinct_gap_with_its_count_reads_as_that_many_observations() -> None:
     # An engine step's inter-token gaps come as runs of one gap and their lengths: on the bounds,
     # between them, beyond the last, below the first, and NaN, which observe() puts in no bucket.
@@ -98,15 +114,7 @@ def test_each_distinct_gap_with_its_count_reads_as_that_many_observations() -> N
     amounts = [rng.uniform(0.0, 1.2) for _ in range(200)]
     amounts += [*BOUNDS, math.inf, -0.5, 0.0, math.nan, math.nextafter(0.01, 1.0), math.nextafter(0.01, 0.0)]
     counts = [rng.randint(1, 64) for _ in amounts]
-    one_by_one, counted = CollectorRegistry(), CollectorRegistry()
-    each, batch = histogram(one_by_one), histogram(counted)
-    for amount, count in zip(amounts, counts, strict=True):
-        for _ in range(count):
-            each.observe(amount)
-    observe_counted(batch, amounts[:100], counts[:100])
-    observe_counted(batch, amounts[100:], counts[100:])
-    observe_counted(batch, [], [])
-    expected, got = samples(one_by_one), samples(counted)
+    expected, got = each_and_counted(amounts, counts, 100)
     assert math.isnan(got.pop(("latency_seconds_sum", "")))
     assert math.isnan(expected.pop(("latency_seconds_sum", "")))
     assert got == expected
@@ -118,13 +126,6 @@ def test_the_counted_sum_agrees_to_rounding() -> None:
     rng = random.Random(13)
     amounts = [rng.lognormvariate(-4.0, 1.0) for _ in range(300)]
     counts = [rng.randint(1, 128) for _ in amounts]
-    one_by_one, counted = CollectorRegistry(), CollectorRegistry()
-    each, batch = histogram(one_by_one), histogram(counted)
-    for amount, count in zip(amounts, counts, strict=True):
-        for _ in range(count):
-            each.observe(amount)
-    observe_counted(batch, amounts, counts)
-    assert samples(counted)[("latency_seconds_sum", "")] == pytest.approx(
-        samples(one_by_one)[("latency_seconds_sum", "")], rel=1e-12
-    )
-    assert samples(counted)[("latency_seconds_count", "")] == sum(counts)
+    expected, got = each_and_counted(amounts, counts, len(amounts))
+    assert got[("latency_seconds_sum", "")] == pytest.approx(expected[("latency_seconds_sum", "")], rel=1e-12)
+    assert got[("latency_seconds_count", "")] == sum(counts)
