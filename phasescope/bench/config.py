@@ -137,6 +137,9 @@ class BenchConfig:
     """Seconds between reads of each target's /metrics during a run (0: once, as it ends)."""
     pin_cpus: bool = False
     """On CPU engines: the client and every target's front end and engine core kept off the workers' CPUs."""
+    peer_first: bool = False
+    """Start the engine-protocol peer (vLLM's gRPC worker, or its Rust request path) before phasescope's servers
+    instead of after: a server's place moves its figures by a few percent here, so a comparison pools both."""
     settle_seconds: float = 0.0
     """Quiet before each run of a point with several targets: the target that ran last goes idle first."""
     baseline: str | None = None
@@ -242,6 +245,7 @@ class BenchConfig:
             "token_times": self.token_times,
             "scrape_interval": self.scrape_interval,
             "pin_cpus": self.pin_cpus,
+            "peer_first": self.peer_first,
             "settle_seconds": self.settle_seconds,
             "baseline": self.baseline,
             "serve": self.serve.describe(),
@@ -353,6 +357,11 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         raise ConfigError("--tiny-model starts the servers it measures; --address serves its own model")
     if args.compare_protocol is not None and not args.compare:
         raise ConfigError("--compare-protocol chooses what --compare adds: give --compare")
+    if args.peer_first and not (args.compare and (args.compare_protocol or "all") in ("all", "engine", "rust")):
+        raise ConfigError("--peer-first orders the start of the engine-protocol peer --compare adds: give --compare "
+                          "(with --compare-protocol all, engine or rust)")  # fmt: skip
+    if args.peer_first and args.address:
+        raise ConfigError("--peer-first orders the servers started here; the phasescope at --address is up already")
     vllm_grpc_address = _host_port(args.vllm_grpc_address, "--vllm-grpc-address") if args.vllm_grpc_address else None
     gateway_url = _http_url(args.gateway_url, "--gateway-url") if args.gateway_url else None
     if args.tiny_model and (vllm_grpc_address or gateway_url) and not args.compare:
@@ -398,6 +407,7 @@ def from_args(args: argparse.Namespace, argv: list[str] | None = None) -> BenchC
         token_times=args.token_times,
         scrape_interval=args.scrape_interval,
         pin_cpus=args.pin_cpus,
+        peer_first=args.peer_first,
         settle_seconds=args.settle,
         baseline=args.baseline,
         serve=ServeVariant("phasescope", serve_env, serve_args),

@@ -74,6 +74,10 @@ async def _targets(
         stack.callback(server.stop)
         stack.push_async_callback(openai.close)
         targets.append(openai)
+    engine_peer = None
+    if engine_pair and config.peer_first:
+        assert settings is not None
+        engine_peer = _start_engine_peer(config, settings, stack)
     if config.measures_phasescope:
         ours: list[tuple[PhasescopeTarget, int | None]] = []
         if config.address:
@@ -99,11 +103,7 @@ async def _targets(
                 targets.append(target)
         if engine_pair:
             assert settings is not None
-            start_peer = start_vllm_rust if config.compare_protocol == "rust" else start_vllm_grpc
-            worker, vllm_grpc = start_peer(settings, config.output_dir, config.api)
-            stack.callback(worker.stop)
-            stack.push_async_callback(vllm_grpc.close)
-            targets.append(vllm_grpc)
+            targets.append(engine_peer or _start_engine_peer(config, settings, stack))
             for target, pid in ours:
                 engine = phasescope_engine_target(target.address, target.metrics_url, pid, settings.model,
                                                   config.api, target.name)  # fmt: skip
@@ -119,6 +119,16 @@ async def _targets(
         stack.push_async_callback(gateway.close)
         targets.append(gateway)
     return targets
+
+
+def _start_engine_peer(config: BenchConfig, settings: EngineSettings, stack: contextlib.AsyncExitStack) -> Target:
+    """vLLM's own worker on the engine protocol (its Python servicer, or smg's Rust request path), stopped by
+    `stack`."""
+    start_peer = start_vllm_rust if config.compare_protocol == "rust" else start_vllm_grpc
+    worker, peer = start_peer(settings, config.output_dir, config.api)
+    stack.callback(worker.stop)
+    stack.push_async_callback(peer.close)
+    return peer
 
 
 def _pin_cpus() -> None:

@@ -232,6 +232,14 @@ def add_cli_args(subparsers: Subparsers) -> argparse.ArgumentParser:
     )
 
     target.add_argument(
+        "--peer-first",
+        action="store_true",
+        help="with --compare: start the engine-protocol peer (vllm-grpc or vllm-rust) before phasescope's servers "
+        "instead of after; a server's place is worth a few percent on a small machine, so pool a run of each "
+        "order (--pool)",
+    )
+
+    target.add_argument(
         "--pin-cpus",
         action="store_true",
         help="on CPU engines, once every target is up: keep this client and every target's front end and engine "

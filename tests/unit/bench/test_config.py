@@ -130,3 +130,13 @@ def test_an_adapter_mix_is_checked_and_needs_a_phasescope_started_here(tmp_path:
     ):  # fmt: skip
         with pytest.raises(ConfigError, match=message):
             config(tmp_path, *flags)
+
+
+def test_peer_first_needs_an_engine_protocol_peer_started_beside_a_phasescope_started_here(tmp_path: Path) -> None:
+    assert config(tmp_path, "--compare", "--compare-protocol", "rust", "--peer-first").parameters()["peer_first"]
+    assert config(tmp_path, "--compare").parameters()["peer_first"] is False
+    for flags in ((), ("--compare", "--compare-protocol", "phasescope")):
+        with pytest.raises(ConfigError, match=r"--peer-first.*--compare"):
+            config(tmp_path, *flags, "--peer-first")
+    with pytest.raises(ConfigError, match=r"--peer-first.*--address"):
+        config(tmp_path, "--compare", "--address", "127.0.0.1:7", "--peer-first")

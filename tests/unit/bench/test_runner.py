@@ -181,3 +181,18 @@ async def test_the_rust_comparison_starts_vllms_worker_with_smgs_rust_request_pa
     assert ("start", "vllm-rust-worker") in log
     assert ("start", "vllm-grpc-worker") not in log
     assert choose_baseline([t.name for t in targets]) == "vllm-rust"
+
+
+async def test_peer_first_starts_the_engine_protocol_peer_before_phasescope_and_keeps_the_rounds_order(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    flags = ("--compare", "--compare-protocol", "rust", "--variant", "b=--front-end rust")
+    _, log = await targets_of(monkeypatch, tmp_path, *flags)
+    started = [name for event, name in log if event == "start"]
+    assert started == ["phasescope-server", "b-server", "vllm-rust-worker"]
+    targets, log = await targets_of(monkeypatch, tmp_path, *flags, "--peer-first")
+    started = [name for event, name in log if event == "start"]
+    assert started == ["vllm-rust-worker", "phasescope-server", "b-server"]
+    # The same targets in the same order (rounds alternate it), each server stopped.
+    assert [t.name for t in targets] == ["vllm-rust", "phasescope-vllm-grpc", "b-vllm-grpc"]
+    assert sorted(started) == sorted(name for event, name in log if event == "stop")
