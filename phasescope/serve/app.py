@@ -31,8 +31,8 @@ from phasescope.serve.auth import server_credentials
 from phasescope.serve.build import Built, build_server
 from phasescope.serve.config import Settings, SettingsError
 from phasescope.serve.cpu_affinity import keep_off_worker_cpus
-from phasescope.serve.hub import hub_telemetry
-from phasescope.serve.rust_mode import V1BesideRust
+from phasescope.serve.hub import HubTelemetry, hub_telemetry
+from phasescope.serve.rust_mode import V1BesideRust, loopback, rust_server_answers
 from phasescope.telemetry.endpoint import start_metrics_server
 from phasescope.telemetry.pipeline import TelemetryPipeline
 from phasescope.telemetry.step.records import StepForwarder
@@ -309,14 +309,29 @@ async def serve_behind_another_front_end(settings: Settings, registry: Collector
         if settings.effective_v1_port:
             v1_serving = asyncio.create_task(v1.serve())
             v1_serving.add_done_callback(_v1_failed)
+        pinning = (
+            asyncio.create_task(_pin_once_up(settings, telemetry, v1.stopping)) if settings.pin_front_end else None
+        )
         try:
             return await serve_rust(settings.engine_options(), model_path, model_name, settings.host, settings.port)
         except EngineConfigError as exc:
             logger.error("the engine refused its configuration: %s", exc)
             return 2
         finally:
+            if pinning is not None:
+                pinning.cancel()
             if v1_serving is not None:
                 await _stop_v1(v1, v1_serving)
+
+
+async def _pin_once_up(settings: Settings, telemetry: HubTelemetry, stop: asyncio.Event) -> None:
+    """--pin-front-end behind smg's Rust server: once it answers and its engine cores have said they run on a CPU,
+    this process (the Rust server's threads with it) and the engine cores off the CPUs the workers were bound to."""
+    if not await rust_server_answers(f"{loopback(settings.host)}:{settings.port}", stop):
+        return
+    await telemetry.ready.wait()
+    if telemetry.description is not None and telemetry.description.on_cpu:
+        await asyncio.to_thread(_pin_front_end)
 
 
 def _v1_failed(serving: asyncio.Task[None]) -> None:

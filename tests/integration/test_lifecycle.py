@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import ctypes.util
-import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +13,7 @@ import pytest
 
 from phasescope.client.client import build_request
 from phasescope.v1 import inference_pb2 as pb
-from support.servers import ServerProcess
+from support.servers import ServerProcess, assert_front_end_off_the_workers_cpus
 
 LONG = build_request(prompt="Tell me everything about the sea.", max_tokens=400, ignore_eos=True)
 
@@ -147,23 +146,7 @@ def test_offered_load_far_beyond_capacity_is_shed_and_admitted_work_completes(sm
 
 
 def test_a_pinned_front_end_leaves_the_engine_workers_cpus_to_them(small_server: ServerProcess) -> None:
-    if len(os.sched_getaffinity(0)) < 2:
-        pytest.skip("one CPU: vLLM binds its worker to it and nothing is left to move the front end to")
-    server = psutil.Process(small_server.process.pid)
-    tree = server.children(recursive=True)
-    workers = [process for process in tree if process.name() == "VLLM::Worker"]
-    assert workers, [process.name() for process in tree]
-    worker_cpus = set().union(*(process.cpu_affinity() for process in workers))
-    assert "pinned the front end and engine core" in small_server.log_path.read_text(errors="replace")
-    serving_cpus: set[int] = set()
-    for process in [server, *(process for process in tree if process not in workers)]:
-        for thread in process.threads():
-            cpus = os.sched_getaffinity(thread.id)
-            assert not cpus & worker_cpus, (process.name(), thread.id, cpus, worker_cpus)
-            serving_cpus |= cpus
-    # Between them, the workers and the rest still have every CPU the server was given.
-    assert serving_cpus
-    assert serving_cpus | worker_cpus == os.sched_getaffinity(0)
+    assert_front_end_off_the_workers_cpus(small_server)
 
 
 def test_sigterm_drains_in_flight_requests_then_stops(small_server: ServerProcess) -> None:

@@ -12,6 +12,8 @@ import time
 import urllib.request
 from pathlib import Path
 
+import psutil
+import pytest
 from smg_grpc_proto.generated import common_pb2
 
 from phasescope.bench.harness import PhasescopeProcess, StartError
@@ -44,6 +46,31 @@ def engine_cpus() -> dict[str, str]:
     if not worker.startswith("gw") or len(cpus) < 2:
         return {}
     return {"VLLM_CPU_OMP_THREADS_BIND": str(cpus[int(worker[2:]) % len(cpus)])}
+
+
+def assert_front_end_off_the_workers_cpus(server: ServerProcess, within_seconds: float = 30.0) -> None:
+    """A server started with --pin-front-end: once it says so in its log, its process and every descendant but
+    vLLM's workers run off the CPUs the workers are bound to, and between them they still have every CPU the
+    server was given."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: vLLM binds its worker to it and nothing is left to move the front end to")
+    deadline = time.monotonic() + within_seconds
+    while "pinned the front end and engine core" not in server.log_path.read_text(errors="replace"):
+        assert time.monotonic() < deadline, server.log_tail()
+        time.sleep(0.2)
+    process = psutil.Process(server.process.pid)
+    tree = process.children(recursive=True)
+    workers = [child for child in tree if child.name() == "VLLM::Worker"]
+    assert workers, [child.name() for child in tree]
+    worker_cpus = set().union(*(worker.cpu_affinity() for worker in workers))
+    serving_cpus: set[int] = set()
+    for serving in [process, *(child for child in tree if child not in workers)]:
+        for thread in serving.threads():
+            cpus = os.sched_getaffinity(thread.id)
+            assert not cpus & worker_cpus, (serving.name(), thread.id, cpus, worker_cpus)
+            serving_cpus |= cpus
+    assert serving_cpus
+    assert serving_cpus | worker_cpus == os.sched_getaffinity(0)
 
 
 class ServerProcess(PhasescopeProcess):

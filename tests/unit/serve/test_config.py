@@ -397,3 +397,9 @@ def test_phasescope_v1_beside_the_rust_server_listens_next_to_it_unless_told() -
     assert parse_settings(["--front-end", "rust", "--v1-port", "0"], environ={}).effective_v1_port == 0
     # The Python front end serves phasescope.v1 on --port itself.
     assert parse_settings(["--v1-port", "7100"], environ={}).effective_v1_port == 0
+
+
+def test_only_an_engine_the_server_starts_is_pinned() -> None:
+    assert parse_settings(["--front-end", "rust", "--pin-front-end"], environ={}).pin_front_end
+    with pytest.raises(SettingsError, match="--pin-front-end moves the engine this server starts"):
+        parse_settings(["--front-end", "external", "--pin-front-end"], environ={})
