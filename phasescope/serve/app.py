@@ -309,29 +309,44 @@ async def serve_behind_another_front_end(settings: Settings, registry: Collector
         if settings.effective_v1_port:
             v1_serving = asyncio.create_task(v1.serve())
             v1_serving.add_done_callback(_v1_failed)
-        pinning = (
-            asyncio.create_task(_pin_once_up(settings, telemetry, v1.stopping)) if settings.pin_front_end else None
-        )
+        up = asyncio.create_task(_once_up(settings, telemetry, v1.stopping))
+        up.add_done_callback(_up_failed)
         try:
             return await serve_rust(settings.engine_options(), model_path, model_name, settings.host, settings.port)
         except EngineConfigError as exc:
             logger.error("the engine refused its configuration: %s", exc)
             return 2
         finally:
-            if pinning is not None:
-                pinning.cancel()
+            up.cancel()
             if v1_serving is not None:
                 await _stop_v1(v1, v1_serving)
 
 
-async def _pin_once_up(settings: Settings, telemetry: HubTelemetry, stop: asyncio.Event) -> None:
-    """--pin-front-end behind smg's Rust server: once it answers and its engine cores have said they run on a CPU,
-    this process (the Rust server's threads with it) and the engine cores off the CPUs the workers were bound to."""
+async def _once_up(settings: Settings, telemetry: HubTelemetry, stop: asyncio.Event) -> None:
+    """Behind smg's Rust server, once it answers and its engine cores have said what they are, as the Python front end
+    does once its engine is up: the start-up heap kept out of collections (until the process exits: its engine cores
+    are other processes) and the youngest generation's threshold raised (the hub's reports and phasescope.v1's
+    requests allocate here), and with --pin-front-end on a CPU this process (the Rust server's threads with it) and
+    the engine cores off the CPUs the workers were bound to."""
     if not await rust_server_answers(f"{loopback(settings.host)}:{settings.port}", stop):
         return
     await telemetry.ready.wait()
-    if telemetry.description is not None and telemetry.description.on_cpu:
+    young = settings.effective_gc_young_threshold
+    frozen, _ = freeze_startup_heap(young)
+    logger.info(
+        "up: %d start-up objects kept out of collections, the youngest generation collected every %d objects",
+        frozen,
+        young,
+    )
+    if settings.pin_front_end and telemetry.description is not None and telemetry.description.on_cpu:
         await asyncio.to_thread(_pin_front_end)
+
+
+def _up_failed(up: asyncio.Task[None]) -> None:
+    if not up.cancelled() and (exc := up.exception()) is not None:
+        logger.error(
+            "behind smg's Rust server, the start-up heap was not frozen nor the front end pinned: %s", exc, exc_info=exc
+        )
 
 
 def _v1_failed(serving: asyncio.Task[None]) -> None:
