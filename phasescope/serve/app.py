@@ -305,11 +305,7 @@ async def serve_behind_another_front_end(settings: Settings, registry: Collector
         # The engine cores the Rust server starts inherit the hub's address.
         export_telemetry_endpoint(telemetry.endpoint)
         v1 = V1BesideRust(settings, telemetry, model_path, model_name)
-        v1_serving = None
-        if settings.effective_v1_port:
-            v1_serving = asyncio.create_task(v1.serve())
-            v1_serving.add_done_callback(_v1_failed)
-        up = asyncio.create_task(_once_up(settings, telemetry, v1.stopping))
+        up = asyncio.create_task(_once_up(settings, telemetry, v1))
         up.add_done_callback(_up_failed)
         try:
             return await serve_rust(settings.engine_options(), model_path, model_name, settings.host, settings.port)
@@ -317,20 +313,28 @@ async def serve_behind_another_front_end(settings: Settings, registry: Collector
             logger.error("the engine refused its configuration: %s", exc)
             return 2
         finally:
-            up.cancel()
-            if v1_serving is not None:
-                await _stop_v1(v1, v1_serving)
+            await _stop_v1(v1, up)
 
 
-async def _once_up(settings: Settings, telemetry: HubTelemetry, stop: asyncio.Event) -> None:
-    """Behind smg's Rust server, once it answers and its engine cores have said what they are, as the Python front end
-    does once its engine is up: the start-up heap kept out of collections (until the process exits: its engine cores
-    are other processes) and the youngest generation's threshold raised (the hub's reports and phasescope.v1's
-    requests allocate here), and with --pin-front-end on a CPU this process (the Rust server's threads with it) and
-    the engine cores off the CPUs the workers were bound to."""
-    if not await rust_server_answers(f"{loopback(settings.host)}:{settings.port}", stop):
+async def _once_up(settings: Settings, telemetry: HubTelemetry, v1: V1BesideRust) -> None:
+    """Behind smg's Rust server, once it answers and its engine cores have said what they are: phasescope.v1 beside it
+    (unless --v1-port 0), then, as the Python front end does once its engine is up, the start-up heap kept out of
+    collections (until the process exits: its engine cores are other processes) and the youngest generation's
+    threshold raised (the hub's reports and phasescope.v1's requests allocate here), and with --pin-front-end on a
+    CPU this process (the Rust server's threads with it) and the engine cores off the CPUs the workers were bound
+    to."""
+    if not await rust_server_answers(f"{loopback(settings.host)}:{settings.port}", v1.stopping):
         return
     await telemetry.ready.wait()
+    if settings.effective_v1_port:
+        try:
+            await v1.serve()
+        except Exception as exc:  # the Rust server serves on without it
+            logger.error(
+                "phasescope.v1 beside smg's Rust server did not start (the Rust server serves on): %s",
+                exc,
+                exc_info=exc,
+            )
     young = settings.effective_gc_young_threshold
     frozen, _ = freeze_startup_heap(young)
     logger.info(
@@ -345,25 +349,18 @@ async def _once_up(settings: Settings, telemetry: HubTelemetry, stop: asyncio.Ev
 def _up_failed(up: asyncio.Task[None]) -> None:
     if not up.cancelled() and (exc := up.exception()) is not None:
         logger.error(
-            "behind smg's Rust server, the start-up heap was not frozen nor the front end pinned: %s", exc, exc_info=exc
-        )
-
-
-def _v1_failed(serving: asyncio.Task[None]) -> None:
-    if not serving.cancelled() and (exc := serving.exception()) is not None:
-        logger.error(
-            "phasescope.v1 beside smg's Rust server did not start (the Rust server serves on): %s",
+            "behind smg's Rust server, phasescope.v1, the heap freeze and the pinning did not happen: %s",
             exc,
             exc_info=exc,
         )
 
 
-async def _stop_v1(v1: V1BesideRust, serving: asyncio.Task[None]) -> None:
-    """phasescope.v1 beside the Rust server stopped (its start-up, if still under way, cancelled)."""
+async def _stop_v1(v1: V1BesideRust, up: asyncio.Task[None]) -> None:
+    """phasescope.v1 beside the Rust server stopped (the start-up, if still under way, cancelled)."""
     v1.stopping.set()
-    serving.cancel()
+    up.cancel()
     with contextlib.suppress(asyncio.CancelledError, Exception):
-        await serving
+        await up
     await v1.stop()
 
 

@@ -288,8 +288,8 @@ async def rust_server_answers(address: str, stop: asyncio.Event) -> bool:
 
 @dataclasses.dataclass
 class V1BesideRust:
-    """phasescope.v1 on --v1-port beside smg's Rust server on --port, from when both the Rust server answers and
-    the engine cores have said what they are, until `stop`."""
+    """phasescope.v1 on --v1-port beside smg's Rust server on --port, from `serve` (called once the Rust server
+    answers and the engine cores have said what they are) until `stop`."""
 
     settings: Settings
     telemetry: HubTelemetry
@@ -302,9 +302,6 @@ class V1BesideRust:
     async def serve(self) -> None:
         settings, telemetry = self.settings, self.telemetry
         rust_address = f"{loopback(settings.host)}:{settings.port}"
-        if not await rust_server_answers(rust_address, self.stopping):
-            return
-        await telemetry.ready.wait()
         aggregator, engine_description = telemetry.aggregator, telemetry.description
         # Both set before `ready`.
         assert aggregator is not None
